@@ -1,0 +1,79 @@
+"""What one finished request tells specpilot: the unit the policy learns from.
+
+The collectors fill the measured part from a vLLM response
+(``metrics.speculative_decoding`` and timing, see ``collectors.per_request``); the
+gateway adds the context it knows (workload class, pool, arm, concurrency). The
+simulator produces the same type, so the policy cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeRequestStats:
+    """Per-request speculative-decoding figures as vLLM reports them.
+
+    Any field may be None when the server did not report it (older vLLM, summary
+    mode, n > 1).
+    """
+
+    num_drafts: int | None
+    """Verify steps that carried draft tokens."""
+    num_draft_tokens: int | None
+    """Draft tokens proposed (n-gram may propose fewer than γ per step)."""
+    num_accepted_tokens: int | None
+    """Draft tokens the target accepted."""
+    accepted_per_position: tuple[int, ...] | None = None
+    """Accepted tokens at draft position i (0 first), summed over the request's steps."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens, in [0, 1]; None when nothing was proposed."""
+        if not self.num_draft_tokens or self.num_accepted_tokens is None:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step: 1 + accepted / drafts; None without drafts."""
+        if not self.num_drafts or self.num_accepted_tokens is None:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(frozen=True, slots=True)
+class RequestObservation:
+    """One finished request: what was asked, how it was served, what it measured.
+
+    Times are in seconds (base units); vLLM's ``*_ms`` fields are converted on read.
+    """
+
+    model: str | None
+    prompt_tokens: int | None
+    output_tokens: int | None
+    ttft_s: float | None
+    """Time to first token."""
+    mean_itl_s: float | None
+    """Mean inter-token latency as vLLM reports it: per engine step, so with
+    speculation one interval may cover several tokens."""
+    generation_time_s: float | None
+    """From first to last output token."""
+    spec: SpecDecodeRequestStats | None
+    """None when speculation was off or not reported."""
+    workload_class: str | None = None
+    pool: str | None = None
+    arm: str | None = None
+    """The (proposer, γ) arm that served it, e.g. ``"ngram:4"`` or ``"off"``."""
+    concurrency: int | None = None
+    """Requests in flight to the same pool when this one started (itself included)."""
+    finished_at: float | None = None
+    """Seconds on the injected clock (wall clock in the service)."""
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: the figure the policy's reward uses."""
+        if self.generation_time_s is None or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return self.generation_time_s / (self.output_tokens - 1)
