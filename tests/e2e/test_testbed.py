@@ -1,0 +1,95 @@
+"""The testbed itself on real vLLM: n-gram speculation works and is measured consistently."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from testbed.environment import ModelSet, VllmEnvironment
+from testbed.server import VllmServer, VllmStartError, parse_spec, process_group_alive
+from testbed.traffic import code_prompt, completion_body
+from tests.conftest import VllmServers
+
+pytestmark = pytest.mark.vllm
+
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+
+
+def spec_counters(text: str) -> dict[str, float]:
+    """Sum each spec-decode counter over its series (one engine, one model here)."""
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_ngram_acceptance_reconciles_with_counters(vllm_servers: VllmServers) -> None:
+    server = vllm_servers.get("ngram:4")
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+        before = spec_counters(client.get("/metrics").text)
+        responses = [
+            client.post("/v1/completions", json=completion_body(code_prompt(i))).json()
+            for i in range(4)
+        ]
+        after = spec_counters(client.get("/metrics").text)
+
+    delta = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    assert delta["vllm:spec_decode_num_accepted_tokens_total"] > 0
+
+    per_request = [r["metrics"]["speculative_decoding"] for r in responses]
+    for spec in per_request:
+        assert spec["num_spec_tokens"] == 4
+        assert 0 <= spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+        assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+    # Nothing else ran on this server between the two scrapes, so the per-request figures
+    # must add up to the counters' deltas exactly.
+    assert delta["vllm:spec_decode_num_drafts_total"] == sum(
+        s["num_spec_steps"] for s in per_request
+    )
+    assert delta["vllm:spec_decode_num_draft_tokens_total"] == sum(
+        s["num_draft_tokens"] for s in per_request
+    )
+    assert delta["vllm:spec_decode_num_accepted_tokens_total"] == sum(
+        s["num_accepted_draft_tokens"] for s in per_request
+    )
+
+
+def test_failed_start_leaves_no_process(testbed: tuple[VllmEnvironment, ModelSet]) -> None:
+    env, models = testbed
+    # vLLM refuses a negative speculation length while parsing its config.
+    bad = {"method": "ngram", "num_speculative_tokens": -1}
+    server = VllmServer(env, models, bad)
+    with pytest.raises(VllmStartError, match="exited"):
+        server.start(timeout_s=240)
+    pid = server.pid
+    assert pid is None
+    assert server.log_tail(), "the error should carry vLLM's log"
+
+
+def test_stop_kills_the_whole_process_group(testbed: tuple[VllmEnvironment, ModelSet]) -> None:
+    env, models = testbed
+    server = VllmServer(env, models, parse_spec("off", models)).start()
+    pgid = server.pid
+    assert pgid is not None and process_group_alive(pgid)
+    children = os.popen(f"pgrep -g {pgid}").read().split()
+    assert len(children) >= 2, "vLLM runs an API server and an engine-core process"
+    server.stop()
+    assert not process_group_alive(pgid)
+
+
+def test_parse_spec_rejects_garbage(testbed: tuple[VllmEnvironment, ModelSet]) -> None:
+    _, models = testbed
+    with pytest.raises(ValueError, match="bad speculative spec"):
+        parse_spec("ngram", models)
+    with pytest.raises(ValueError, match="bad speculative spec"):
+        parse_spec("draft:x:3", models)
+    assert json.loads(json.dumps(parse_spec("draft:0.3:3", models)))["method"] == "draft_model"
