@@ -29,6 +29,10 @@ def register(subparsers: Any) -> None:
     record.add_argument("--out", type=Path, default=Path("tests/fixtures/vllm-0.32"))
     record.set_defaults(func=_record)
 
+    methods = sub.add_parser("methods", help="try each speculative method on this vLLM build")
+    methods.add_argument("--json-out", type=Path, default=None, help="also write outcomes here")
+    methods.set_defaults(func=_methods)
+
 
 def ensure_all() -> tuple[VllmEnvironment, ModelSet]:
     env = VllmEnvironment.default().ensure()
@@ -62,4 +66,20 @@ def _record(args: argparse.Namespace) -> int:
     env, models = ensure_all()
     for path in record(env, models, args.out):
         print(path)
+    return 0
+
+
+def _methods(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from testbed.methods import outcomes_json, probe
+
+    env, models = ensure_all()
+    with tempfile.TemporaryDirectory(prefix="specpilot-heads-") as workdir:
+        outcomes = probe(env, models, Path(workdir))
+    for o in outcomes:
+        result = f"runs, acceptance {o.acceptance_rate}" if o.served else f"fails: {o.error}"
+        print(f"{o.method:12s} {result}")
+    if args.json_out:
+        args.json_out.write_text(outcomes_json(outcomes) + "\n")
     return 0
