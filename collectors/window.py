@@ -487,3 +487,77 @@ class _Context:
             time_to_first_token=latency("time_to_first_token"),
             e2e_latency=latency("e2e_latency"),
         )
+
+
+JsonObject = dict[str, object]
+
+
+def stats_json(stats: WindowStats) -> JsonObject:
+    """One window as a JSON object: the ``specpilot metrics --json`` contract.
+
+    Counts are integers, times seconds, ratios in [0, 1]; "no data" is null.
+    ``per_position_acceptance`` and ``conditional_acceptance`` are lists, position 0
+    first; ``speculation`` is false when the page had no spec-decode series.
+    """
+    spec = stats.spec
+    return {
+        "speculation": spec is not None,
+        "acceptance_rate": spec.acceptance_rate if spec else None,
+        "mean_acceptance_length": spec.mean_acceptance_length if spec else None,
+        "mean_proposed_tokens_per_draft": spec.mean_proposed_tokens_per_draft if spec else None,
+        "per_position_acceptance": list(spec.per_position_acceptance) if spec else [],
+        "conditional_acceptance": list(spec.conditional_acceptance) if spec else [],
+        "drafts": _whole(spec.drafts) if spec else None,
+        "draft_tokens": _whole(spec.draft_tokens) if spec else None,
+        "accepted_tokens": _whole(spec.accepted_tokens) if spec else None,
+        "accepted_per_position": [_whole(v) for v in spec.accepted_per_position] if spec else [],
+        "reset": stats.reset,
+        "duration_s": stats.duration_s,
+        "generation_tokens": _whole(stats.generation_tokens),
+        "generation_tokens_per_s": stats.generation_tokens_per_s,
+        "running": _gauge_json(stats.running),
+        "waiting": _gauge_json(stats.waiting),
+        "kv_cache_usage": _gauge_json(stats.kv_cache_usage),
+        "inter_token_latency_per_step": _latency_json(stats.inter_token_latency),
+        "time_per_output_token": _latency_json(stats.time_per_output_token),
+        "time_to_first_token": _latency_json(stats.time_to_first_token),
+        "e2e_latency": _latency_json(stats.e2e_latency),
+    }
+
+
+def worker_json(window: WorkerWindow) -> JsonObject:
+    """The worker's window as JSON: the totals at the top level (summed over engines, and
+    over models should a page carry several), and each model under ``models`` with its
+    engines under ``engines``."""
+    return {
+        **stats_json(window.total),
+        "models": {
+            name: {
+                **stats_json(model.total),
+                "engines": {engine: stats_json(s) for engine, s in model.engines.items()},
+            }
+            for name, model in window.models.items()
+        },
+    }
+
+
+def _whole(value: float | None) -> float | int | None:
+    if value is None:
+        return None
+    return int(value) if value.is_integer() else value
+
+
+def _gauge_json(gauge: GaugeWindow) -> JsonObject:
+    return {"mean": gauge.mean, "max": gauge.max, "latest": gauge.latest, "samples": gauge.samples}
+
+
+def _latency_json(latency: LatencyWindow | None) -> JsonObject | None:
+    if latency is None:
+        return None
+    return {
+        "count": _whole(latency.count),
+        "mean_s": latency.mean_s,
+        "p50_s": latency.p50_s,
+        "p90_s": latency.p90_s,
+        "p99_s": latency.p99_s,
+    }
