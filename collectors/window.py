@@ -239,12 +239,16 @@ def worker_window(
     start: WorkerSnapshot | None,
     end: WorkerSnapshot,
     gauge_readings: Sequence[GaugeReading] | None = None,
+    *,
+    restarted: bool = False,
 ) -> WorkerWindow:
     """The window between two snapshots of the same worker (``start`` None: since the
     process started). ``gauge_readings`` are the gauges of every scrape in the window,
-    oldest first; by default those of ``start`` and ``end``.
+    oldest first; by default those of ``start`` and ``end``. ``restarted`` says the
+    caller saw the worker restart between intermediate scrapes (which the two ends alone
+    may not show once the new process' counters overtook the old ones).
     """
-    reset = start is not None and counters_went_back(start, end)
+    reset = restarted or (start is not None and counters_went_back(start, end))
     baseline = None if reset else start
     duration = _duration(baseline, end)
     if gauge_readings is None:
