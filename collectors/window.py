@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from collectors.exposition import (
     EngineKey,
@@ -255,19 +255,67 @@ def worker_window(
         ends = (end,) if baseline is None else (baseline, end)
         gauge_readings = [gauge_reading(snapshot) for snapshot in ends]
     deltas = {
-        key: _EngineDelta.between(None if baseline is None else baseline.engines.get(key), engine)
+        key: EngineDelta.between(None if baseline is None else baseline.engines.get(key), engine)
         for key, engine in end.engines.items()
     }
-    context = _Context(duration, reset, gauge_readings)
+    return assemble_window(
+        deltas, _gauges_from_readings(gauge_readings), duration_s=duration, reset=reset
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WindowGauges:
+    """The gauges of one engine, or of several combined, over a window."""
+
+    running: GaugeWindow
+    waiting: GaugeWindow
+    kv_cache_usage: GaugeWindow
+
+
+GaugesOf = Callable[[Sequence[EngineKey]], WindowGauges]
+"""Gauges over the window for a set of engines: summed running/waiting, mean KV usage."""
+
+
+def assemble_window(
+    deltas: Mapping[EngineKey, EngineDelta],
+    gauges_of: GaugesOf,
+    *,
+    duration_s: float | None,
+    reset: bool,
+) -> WorkerWindow:
+    """Per-engine increases and gauges → the window per engine, per model and in total.
+
+    The one place where engines are summed, shared by the direct scrape
+    (``worker_window``) and the Prometheus reader (``collectors.promql``).
+    """
+
+    def stats(keys: Sequence[EngineKey]) -> WindowStats:
+        def latency(name: str) -> LatencyWindow | None:
+            histogram = _sum_histograms(getattr(deltas[key], name) for key in keys)
+            return None if histogram is None else LatencyWindow.of(histogram)
+
+        gauges = gauges_of(keys)
+        return WindowStats(
+            duration_s=duration_s,
+            reset=reset,
+            spec=_sum_spec(deltas[key].spec for key in keys),
+            generation_tokens=_sum_or_none(deltas[key].generation_tokens for key in keys),
+            running=gauges.running,
+            waiting=gauges.waiting,
+            kv_cache_usage=gauges.kv_cache_usage,
+            inter_token_latency=latency("inter_token_latency"),
+            time_per_output_token=latency("time_per_output_token"),
+            time_to_first_token=latency("time_to_first_token"),
+            e2e_latency=latency("e2e_latency"),
+        )
+
     models: dict[str, ModelWindow] = {}
-    for model_name in end.model_names:
+    for model_name in sorted({key.model_name for key in deltas}):
         keys = [key for key in deltas if key.model_name == model_name]
         models[model_name] = ModelWindow(
-            model_name,
-            context.stats(keys, deltas),
-            {key.engine: context.stats([key], deltas) for key in keys},
+            model_name, stats(keys), {key.engine: stats([key]) for key in keys}
         )
-    return WorkerWindow(context.stats(list(deltas), deltas), models)
+    return WorkerWindow(stats(list(deltas)), models)
 
 
 def counters_went_back(start: WorkerSnapshot, end: WorkerSnapshot) -> bool:
@@ -346,22 +394,30 @@ _HISTOGRAMS = ("inter_token_latency", "time_per_output_token", "time_to_first_to
 
 
 @dataclass(frozen=True, slots=True)
-class _EngineDelta:
+class EngineDelta:
     """Counter and histogram increases of one engine over the window."""
 
     spec: SpecDecodeWindow | None
     generation_tokens: float | None
-    histograms: Mapping[str, Histogram | None] = field(default_factory=dict)
+    inter_token_latency: Histogram | None = None
+    time_per_output_token: Histogram | None = None
+    time_to_first_token: Histogram | None = None
+    e2e_latency: Histogram | None = None
 
     @classmethod
-    def between(cls, before: EngineSnapshot | None, after: EngineSnapshot) -> _EngineDelta:
+    def between(cls, before: EngineSnapshot | None, after: EngineSnapshot) -> EngineDelta:
+        """Increases from ``before`` (None: from zero, i.e. since process start)."""
+
+        def histogram(name: str) -> Histogram | None:
+            return _histogram_delta(getattr(before, name, None), getattr(after, name))
+
         return cls(
             _spec_delta(before.spec if before else None, after.spec),
             _minus(after.generation_tokens, before.generation_tokens if before else None),
-            {
-                name: _histogram_delta(getattr(before, name, None), getattr(after, name))
-                for name in _HISTOGRAMS
-            },
+            inter_token_latency=histogram("inter_token_latency"),
+            time_per_output_token=histogram("time_per_output_token"),
+            time_to_first_token=histogram("time_to_first_token"),
+            e2e_latency=histogram("e2e_latency"),
         )
 
 
@@ -456,41 +512,27 @@ def _mean_or_none(values: Iterable[float | None]) -> float | None:
     return math.fsum(present) / len(present) if present else None
 
 
-@dataclass(frozen=True, slots=True)
-class _Context:
-    duration_s: float | None
-    reset: bool
-    gauge_readings: Sequence[GaugeReading]
-
-    def stats(
-        self, keys: Sequence[EngineKey], deltas: Mapping[EngineKey, _EngineDelta]
-    ) -> WindowStats:
-        def gauge(
+def _gauges_from_readings(readings: Sequence[GaugeReading]) -> GaugesOf:
+    # Combine engines per scrape first, then over scrapes: the max of a sum is not the
+    # sum of the maxima.
+    def gauges_of(keys: Sequence[EngineKey]) -> WindowGauges:
+        def over_window(
             name: str, combine: Callable[[Iterable[float | None]], float | None]
         ) -> GaugeWindow:
-            per_scrape = [
-                combine(getattr(reading[key], name) for key in keys if key in reading)
-                for reading in self.gauge_readings
-            ]
-            return GaugeWindow.of(per_scrape)
+            return GaugeWindow.of(
+                [
+                    combine(getattr(reading[key], name) for key in keys if key in reading)
+                    for reading in readings
+                ]
+            )
 
-        def latency(name: str) -> LatencyWindow | None:
-            histogram = _sum_histograms(deltas[key].histograms.get(name) for key in keys)
-            return None if histogram is None else LatencyWindow.of(histogram)
-
-        return WindowStats(
-            duration_s=self.duration_s,
-            reset=self.reset,
-            spec=_sum_spec(deltas[key].spec for key in keys),
-            generation_tokens=_sum_or_none(deltas[key].generation_tokens for key in keys),
-            running=gauge("running", _sum_or_none),
-            waiting=gauge("waiting", _sum_or_none),
-            kv_cache_usage=gauge("kv_cache_usage", _mean_or_none),
-            inter_token_latency=latency("inter_token_latency"),
-            time_per_output_token=latency("time_per_output_token"),
-            time_to_first_token=latency("time_to_first_token"),
-            e2e_latency=latency("e2e_latency"),
+        return WindowGauges(
+            running=over_window("running", _sum_or_none),
+            waiting=over_window("waiting", _sum_or_none),
+            kv_cache_usage=over_window("kv_cache_usage", _mean_or_none),
         )
+
+    return gauges_of
 
 
 JsonObject = dict[str, object]
