@@ -1,12 +1,13 @@
 """vLLM's Prometheus exposition text → typed snapshots of the series specpilot uses.
 
 A ``/metrics`` page of vLLM 0.32 carries a few hundred series; specpilot reads about a
-dozen families (see ``USED_FAMILIES``) and ignores the rest. The used lines are parsed by
-``prometheus_client``'s own parser, not by a hand-written one. Lines of other series are
-only checked for shape (a name, optional labels, a number), because fully parsing
-several hundred unused histogram buckets per worker is most of the cost at fleet scale
-(``bench/scale.py`` measures it). Anything that is not exposition text raises
-``ExpositionError`` with a one-line message.
+dozen families (see ``USED_FAMILIES``) and ignores the rest. The series (name and labels)
+of the used lines are parsed by ``prometheus_client``'s own parser, not by a hand-written
+one, once per distinct series (they repeat on every scrape); the value after them is a
+float. Lines of other series are only checked for shape (a name, optional labels, a
+number), because fully parsing several hundred unused histogram buckets per worker is
+most of the cost at fleet scale (``bench/scale.py`` measures it). Anything that is not
+exposition text raises ``ExpositionError`` with a one-line message.
 
 Every vLLM series carries the labels ``model_name`` and ``engine`` (the engine-core
 index, a string such as ``"0"``); a snapshot groups the series by that pair.
@@ -14,10 +15,12 @@ index, a string such as ``"0"``); a snapshot groups the series by that pair.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -164,24 +167,46 @@ def parse_exposition(text: str, *, scraped_at: float | None = None) -> WorkerSna
     Raises ``ExpositionError`` when the text is not Prometheus exposition text.
     Samples whose value is not finite (NaN, ±Inf) are treated as absent.
     """
-    used_lines: list[str] = []
+    builder = _SnapshotBuilder()
     for number, line in enumerate(text.splitlines(), start=1):
         if not line or line[0] == "#" or line.isspace():
             continue
         match = _NAME_END.search(line)
         name = line[: match.start()] if match else line
-        if name in _USED_SAMPLES:
-            used_lines.append(line)
-        else:
+        if name not in _USED_SAMPLES:
             _check_sample_line(line, number)
-    builder = _SnapshotBuilder()
-    try:
-        for family in text_string_to_metric_families("\n".join(used_lines) + "\n"):
-            for sample in family.samples:
-                builder.add(sample.name, sample.labels, sample.value)
-    except (ValueError, IndexError, KeyError, TypeError) as error:
-        raise ExpositionError(f"not Prometheus exposition text: {_one_line(error)}") from error
+            continue
+        # The series (name and labels) is everything up to the closing brace; the value
+        # and an optional timestamp follow.
+        end = line.rfind("}") + 1 if match and line[match.start()] == "{" else len(name)
+        fields = line[end:].split()
+        try:
+            if not end or not 1 <= len(fields) <= 2:
+                raise ValueError("expected a value and an optional timestamp")
+            sample_name, labels = _series(line[:end])
+            value = float(fields[0])
+        except ValueError as error:
+            raise ExpositionError(
+                f"not Prometheus exposition text: line {number}: {_one_line(error)}"
+            ) from error
+        builder.add(sample_name, labels, value)
     return builder.build(scraped_at)
+
+
+@functools.lru_cache(maxsize=16384)
+def _series(series: str) -> tuple[str, Mapping[str, str]]:
+    """Sample name and labels of one series, as ``prometheus_client``'s parser reads them.
+
+    A worker repeats the same series on every scrape and the workers of one model share
+    them, so each distinct series is parsed once; only the value changes (see
+    ``bench/scale.py`` for what this saves). The returned mapping is shared: read only.
+    """
+    try:
+        (family,) = text_string_to_metric_families(f"{series} 0\n")
+        (sample,) = family.samples
+    except (ValueError, IndexError, KeyError, TypeError) as error:
+        raise ValueError(_one_line(error)) from error
+    return sample.name, MappingProxyType(dict(sample.labels))
 
 
 def _check_sample_line(line: str, number: int) -> None:
