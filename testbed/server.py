@@ -197,26 +197,20 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``."""
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+        Returns only when no process of the group is left, so a caller that starts a
+        new server right after never competes with the old one's memory.
+        """
         process, self._process = self._process, None
         _live.discard(self)
         if process is None:
             return
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            # The leader is gone; children of the group may still be exiting.
-            if not process_group_alive(process.pid):
-                break
-        if process_group_alive(process.pid):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(process.pid, sig)
+            if _wait_group_gone(process, wait_s):
+                return
 
     def __enter__(self) -> VllmServer:
         return self.start() if self._process is None else self
@@ -228,6 +222,16 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _wait_group_gone(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader; its children are reaped by init
+        if not process_group_alive(process.pid):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def process_group_alive(pgid: int) -> bool:
