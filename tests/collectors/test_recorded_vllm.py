@@ -10,13 +10,10 @@ which repeats the prompt of the stream with usage; greedy decoding makes it iden
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import pytest
 
-from collectors import cli
 from collectors.exposition import EngineKey, WorkerSnapshot, parse_exposition
 from collectors.observations import RequestObservation
 from collectors.per_request import (
@@ -25,8 +22,9 @@ from collectors.per_request import (
     observation_from_stream,
 )
 from collectors.window import WindowStats, worker_window
+from tests.collectors.pages import FIXTURES
+from tests.collectors.test_cli import specpilot_metrics
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 ENGINE = EngineKey("tiny-llama", "0")
 GAMMA = {"ngram": 4, "draft": 3}
 REQUESTS_BETWEEN_PAGES = 11
@@ -182,17 +180,9 @@ def test_stream_without_usage_chunk_has_no_observation() -> None:
     assert chunk is not None and chunk["choices"] == []
 
 
-def run_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["metrics", *argv])
-    code: int = args.func(args)
-    return code
-
-
 def test_cli_on_recorded_pages(capsys: pytest.CaptureFixture[str]) -> None:
     start, after = FIXTURES / "metrics-draft-start.txt", FIXTURES / "metrics-draft-after.txt"
-    assert run_cli(str(start), str(after), "--json") == 0
+    assert specpilot_metrics(str(start), str(after), "--json") == 0
     result = json.loads(capsys.readouterr().out)
     spec = window("draft").spec
     assert spec is not None
@@ -200,8 +190,10 @@ def test_cli_on_recorded_pages(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["per_position_acceptance"] == list(spec.per_position_acceptance)
 
     restarted = FIXTURES / "metrics-ngram-restarted.txt"
-    assert run_cli(str(FIXTURES / "metrics-ngram-after.txt"), str(restarted), "--json") == 0
+    assert (
+        specpilot_metrics(str(FIXTURES / "metrics-ngram-after.txt"), str(restarted), "--json") == 0
+    )
     assert json.loads(capsys.readouterr().out)["reset"] is True
 
-    assert run_cli(str(FIXTURES / "chat-ngram.json")) == 2
+    assert specpilot_metrics(str(FIXTURES / "chat-ngram.json")) == 2
     assert capsys.readouterr().err.count("\n") == 1
