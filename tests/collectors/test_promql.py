@@ -20,7 +20,8 @@ import pytest
 
 from collectors.exposition import parse_exposition
 from collectors.promql import PrometheusError, PrometheusReader
-from collectors.window import WindowStats, gauge_reading, worker_window
+from collectors.window import gauge_reading, worker_window
+from tests.collectors.agreement import EXACT, assert_same_ratios, read_windows
 from tests.collectors.pages import FIXTURES, EngineState, vllm_page
 from tests.collectors.servers import LoopbackServer, Pages, Route, serving
 from tests.helpers.prometheus import (
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.prometheus
 StartPrometheus = Callable[[Sequence[str]], PrometheusServer]
 RECORDED = ("ngram", "draft", "off")
 PAGES = 14
-EXACT = 1e-9  # relative: "within rounding"
 
 
 def growing_pages() -> list[str]:
@@ -70,51 +70,6 @@ def samples_in_range(prometheus: PrometheusServer, query: str, at: float) -> lis
     values = result[0]["values"]
     assert isinstance(values, list)
     return [float(value) for _, value in values]
-
-
-def assert_same_ratios(read: WindowStats, direct: WindowStats) -> None:
-    """The figures a Prometheus reader and a direct scrape must agree on within rounding:
-    spec-decode ratios, latency quantiles and means (Prometheus' extrapolation cancels)."""
-    if direct.spec is None:
-        assert read.spec is None
-    else:
-        assert read.spec is not None
-        for name in (
-            "acceptance_rate",
-            "mean_acceptance_length",
-            "mean_proposed_tokens_per_draft",
-            "per_position_acceptance",
-            "conditional_acceptance",
-        ):
-            assert_close(getattr(read.spec, name), getattr(direct.spec, name))
-    for name in ("inter_token_latency", "time_per_output_token", "time_to_first_token"):
-        got, want = getattr(read, name), getattr(direct, name)
-        assert_close(
-            (got.p50_s, got.p90_s, got.p99_s, got.mean_s),
-            (want.p50_s, want.p90_s, want.p99_s, want.mean_s),
-        )
-
-
-def assert_close(got: object, want: object) -> None:
-    """Equal within rounding, element-wise, with None ("no data") only matching None."""
-    if isinstance(want, tuple):
-        assert isinstance(got, tuple) and len(got) == len(want)
-        for item, expected in zip(got, want, strict=True):
-            assert_close(item, expected)
-    elif want is None:
-        assert got is None
-    else:
-        assert got == pytest.approx(want, rel=EXACT)
-
-
-def read_windows(prometheus: PrometheusServer, range_s: float, at: float) -> dict[str, WindowStats]:
-    async def read() -> dict[str, WindowStats]:
-        async with httpx.AsyncClient() as client:
-            reader = PrometheusReader(prometheus.url, client, selector='job="vllm"')
-            windows = await reader.windows(range_s, at=at)
-        return {worker: window.total for worker, window in windows.items()}
-
-    return asyncio.run(read())
 
 
 class RestartingWorker(Route):
@@ -195,7 +150,7 @@ def test_reader_agrees_with_the_direct_window_over_the_same_scrapes(fleet: Fleet
     running_seen = samples_in_range(
         prometheus, f'vllm:num_requests_running{{instance="{instance}"}}{window}', at
     )
-    read = read_windows(prometheus, range_s, at)[instance]
+    read = read_windows(prometheus.url, range_s, at)[instance]
 
     snapshots = [parse_exposition(page) for page in fleet.growing_pages]
     drafts_of = [next(iter(s.engines.values())).spec.drafts for s in snapshots]  # type: ignore[union-attr]
@@ -223,7 +178,7 @@ def test_reader_agrees_with_the_direct_window_over_the_same_scrapes(fleet: Fleet
 
 def test_reader_agrees_with_the_direct_window_on_recorded_vllm_pages(fleet: Fleet) -> None:
     fleet.prometheus.wait_for("min(count_over_time(vllm:generation_tokens_total[1h])) >= 4")
-    windows = read_windows(fleet.prometheus, 600.0, time.time())
+    windows = read_windows(fleet.prometheus.url, 600.0, time.time())
     # Every used counter is 0 on the start pages, so Prometheus extrapolates each series
     # by the same factor (none towards the range start) and ratios must agree.
     for config, server in fleet.recorded.items():
@@ -243,7 +198,7 @@ def test_restart_in_the_range_is_flagged_and_read_from_the_new_process_only(
         f'count_over_time(vllm:spec_decode_num_drafts_total{{instance="{instance}"}}[1h]) >= 8'
     )
     at = time.time()
-    read = read_windows(fleet.prometheus, 60.0, at)[instance]
+    read = read_windows(fleet.prometheus.url, 60.0, at)[instance]
 
     switched_at = fleet.restarting_route.switched_at
     assert switched_at is not None
