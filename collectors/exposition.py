@@ -52,6 +52,9 @@ HISTOGRAM_FAMILIES = (
     TIME_TO_FIRST_TOKEN,
     E2E_LATENCY,
 )
+MAX_SPEC_POSITIONS = 64
+"""Draft positions read at most; a larger ``position`` label is not a real γ (and would
+cost memory), so it is ignored."""
 USED_FAMILIES = (*COUNTER_FAMILIES, *GAUGE_FAMILIES, *HISTOGRAM_FAMILIES, PROCESS_START_TIME)
 """Metric families specpilot reads; every other series on the page is ignored."""
 
@@ -154,7 +157,9 @@ class WorkerSnapshot:
     """Unix time the worker process started (``process_start_time_seconds``), when the
     page has it; a change means the worker restarted."""
     scraped_at: float | None = None
-    """Seconds on the scraper's clock when the page was read; None for a file."""
+    """Unix seconds (the scraper's injected wall clock) when the page was read; None for
+    a file. Wall-clock because a window since process start is measured from
+    ``process_start_time_s``."""
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -247,7 +252,7 @@ class _SnapshotBuilder:
         key = EngineKey(labels.get("model_name", ""), labels.get("engine", ""))
         if family == SPEC_ACCEPTED_PER_POS:
             position = _int_or_none(labels.get("position"))
-            if position is not None and position >= 0:
+            if position is not None and 0 <= position < MAX_SPEC_POSITIONS:
                 self.per_position.setdefault(key, {})[position] = value
         elif part == "bucket":
             upper = _float_or_none(labels.get("le"))

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
+from collectors.window import SpecDecodeWindow
 
 
 def observation_from_response(body: Mapping[str, Any] | str | bytes) -> RequestObservation:
@@ -136,3 +137,23 @@ def _seconds(milliseconds: object) -> float | None:
     if not math.isfinite(milliseconds) or milliseconds < 0:
         return None
     return float(milliseconds) / 1000.0
+
+
+def summed_spec(observations: Iterable[RequestObservation]) -> SpecDecodeWindow | None:
+    """Per-request spec-decode stats summed into the window type the counters give, so a
+    set of requests (a workload class, a time window) reads like ``/metrics`` does; for
+    the same requests the two agree exactly. Requests without spec stats are skipped;
+    None when none has them."""
+    specs = [o.spec for o in observations if o.spec is not None and o.spec.num_drafts is not None]
+    if not specs:
+        return None
+    positions = [spec.accepted_per_position or () for spec in specs]
+    return SpecDecodeWindow(
+        drafts=float(sum(spec.num_drafts or 0 for spec in specs)),
+        draft_tokens=float(sum(spec.num_draft_tokens or 0 for spec in specs)),
+        accepted_tokens=float(sum(spec.num_accepted_tokens or 0 for spec in specs)),
+        accepted_per_position=tuple(
+            float(sum(counts[i] for counts in positions if i < len(counts)))
+            for i in range(max(map(len, positions)))
+        ),
+    )

@@ -10,7 +10,8 @@ current window, the latest snapshot, and at most ``max_gauge_readings`` gauge re
 (the gauges are what the window's mean/max need in between); pages larger than
 ``max_page_bytes`` are refused. ``take_window`` hands the window out and opens the next.
 
-Clock, sleep and RNG are injected; in the service they are ``time.monotonic``,
+Clock, sleep and RNG are injected; in the service they are ``time.time`` (Unix seconds:
+snapshots are compared with the worker's ``process_start_time_seconds``),
 ``asyncio.sleep`` and a seeded ``random.Random``.
 """
 
@@ -119,7 +120,12 @@ class _TargetState:
 
 
 class Scraper:
-    """Scrapes ``targets`` with ``client`` until cancelled (``run``), or on demand."""
+    """Scrapes ``targets`` with ``client`` until cancelled (``run``), or on demand.
+
+    The caller owns ``client``; its connection limits should fit the fleet (httpx pools
+    100 connections by default, and a request waiting for one counts against its
+    target's timeout).
+    """
 
     def __init__(
         self,

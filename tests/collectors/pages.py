@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import Histogram as PromHistogram
@@ -63,6 +64,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 LATENCY_BUCKETS += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 LABELS = ["model_name", "engine"]
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
+"""Recorded real vLLM 0.32 pages and responses (see its README.md)."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from collectors import cli
+from controller import cli as controller_cli
 from tests.collectors.pages import EngineState, vllm_page
 
 CONTRACT_KEYS = {
@@ -117,3 +118,14 @@ def test_non_exposition_file_exits_2_with_one_line(
 def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert specpilot_metrics(str(tmp_path / "nope.prom")) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_specpilot_main_dispatches_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only this feature's module: the others' commands are not this test's concern.
+    monkeypatch.setattr(controller_cli, "COMMAND_MODULES", ("collectors.cli",))
+    page = dump(tmp_path, "a.prom", EngineState(spec=(10, 40, 20, (10, 6, 4, 0))))
+    assert controller_cli.main(["metrics", page, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["acceptance_rate"] == pytest.approx(0.5)
+    assert controller_cli.main(["metrics", str(tmp_path)]) == 2

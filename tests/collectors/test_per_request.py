@@ -10,6 +10,7 @@ from collectors.per_request import (
     observation_from_response,
     observation_from_stream,
     spec_stats,
+    summed_spec,
 )
 
 SPEC = {
@@ -116,3 +117,16 @@ def test_stream_without_usage_chunk_gives_no_observation() -> None:
     lines = [": keep-alive", *sse(delta), "data: {not json"]
     assert final_usage_chunk(lines) is None
     assert observation_from_stream(lines) is None
+
+
+def test_summed_spec_adds_requests_and_skips_those_without_spec() -> None:
+    with_spec = observation_from_response(BODY)
+    no_spec = observation_from_response({"usage": {"completion_tokens": 5}})
+    other = observation_from_response(
+        BODY | {"metrics": {"speculative_decoding": SPEC | {"acceptance_histogram": [1, 1]}}}
+    )
+    total = summed_spec([with_spec, no_spec, other])
+    assert total is not None
+    assert (total.drafts, total.draft_tokens, total.accepted_tokens) == (40, 160, 40)
+    assert total.accepted_per_position == (10 + 1, 6, 3, 1)
+    assert summed_spec([no_spec]) is None

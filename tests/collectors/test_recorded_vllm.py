@@ -10,23 +10,22 @@ which repeats the prompt of the stream with usage; greedy decoding makes it iden
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import pytest
 
-from collectors import cli
 from collectors.exposition import EngineKey, WorkerSnapshot, parse_exposition
 from collectors.observations import RequestObservation
 from collectors.per_request import (
     final_usage_chunk,
     observation_from_response,
     observation_from_stream,
+    summed_spec,
 )
 from collectors.window import WindowStats, worker_window
+from tests.collectors.pages import FIXTURES
+from tests.collectors.test_cli import specpilot_metrics
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 ENGINE = EngineKey("tiny-llama", "0")
 GAMMA = {"ngram": 4, "draft": 3}
 REQUESTS_BETWEEN_PAGES = 11
@@ -94,25 +93,11 @@ def test_counter_window_equals_per_request_metrics_summed_over_the_same_requests
 ) -> None:
     stats = window(config)
     requests = observations(config)
-    specs = [observation.spec for observation in requests]
-    assert all(spec is not None for spec in specs)
-    drafts = sum(spec.num_drafts or 0 for spec in specs if spec)
-    draft_tokens = sum(spec.num_draft_tokens or 0 for spec in specs if spec)
-    accepted = sum(spec.num_accepted_tokens or 0 for spec in specs if spec)
-    per_position = [
-        sum(spec.accepted_per_position[i] for spec in specs if spec and spec.accepted_per_position)
-        for i in range(GAMMA[config])
-    ]
+    assert all(request.spec is not None for request in requests)
 
-    assert stats.spec is not None and not stats.reset
-    assert (stats.spec.drafts, stats.spec.draft_tokens, stats.spec.accepted_tokens) == (
-        drafts,
-        draft_tokens,
-        accepted,
-    )
-    assert list(stats.spec.accepted_per_position) == per_position
-    assert stats.spec.acceptance_rate == pytest.approx(accepted / draft_tokens)
-    assert stats.spec.mean_acceptance_length == pytest.approx(1 + accepted / drafts)
+    assert not stats.reset
+    assert summed_spec(requests) == stats.spec
+    assert stats.spec is not None and stats.spec.accepted_per_position
     assert stats.generation_tokens == sum(o.output_tokens or 0 for o in requests)
 
 
@@ -182,17 +167,9 @@ def test_stream_without_usage_chunk_has_no_observation() -> None:
     assert chunk is not None and chunk["choices"] == []
 
 
-def run_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["metrics", *argv])
-    code: int = args.func(args)
-    return code
-
-
 def test_cli_on_recorded_pages(capsys: pytest.CaptureFixture[str]) -> None:
     start, after = FIXTURES / "metrics-draft-start.txt", FIXTURES / "metrics-draft-after.txt"
-    assert run_cli(str(start), str(after), "--json") == 0
+    assert specpilot_metrics(str(start), str(after), "--json") == 0
     result = json.loads(capsys.readouterr().out)
     spec = window("draft").spec
     assert spec is not None
@@ -200,8 +177,10 @@ def test_cli_on_recorded_pages(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["per_position_acceptance"] == list(spec.per_position_acceptance)
 
     restarted = FIXTURES / "metrics-ngram-restarted.txt"
-    assert run_cli(str(FIXTURES / "metrics-ngram-after.txt"), str(restarted), "--json") == 0
+    assert (
+        specpilot_metrics(str(FIXTURES / "metrics-ngram-after.txt"), str(restarted), "--json") == 0
+    )
     assert json.loads(capsys.readouterr().out)["reset"] is True
 
-    assert run_cli(str(FIXTURES / "chat-ngram.json")) == 2
+    assert specpilot_metrics(str(FIXTURES / "chat-ngram.json")) == 2
     assert capsys.readouterr().err.count("\n") == 1

@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
+from collectors.exposition import parse_exposition
 from collectors.scraper import Scraper, ScraperSettings, ScrapeTarget
-from tests.collectors.pages import EngineState, vllm_page
+from collectors.window import worker_window
+from tests.collectors.pages import FIXTURES, EngineState, vllm_page
 from tests.collectors.servers import Fixed, Hang, ManualClock, Pages, Trickle, dead_url, serving
 
 
@@ -191,3 +193,27 @@ def test_restart_between_scrapes_is_flagged_even_when_counters_overtook() -> Non
     result = asyncio.run(window()).take_window("w")
     assert result.window is not None and result.window.reset
     assert result.window.total.spec is not None and result.window.total.spec.drafts == 300
+
+
+def test_scraped_recorded_vllm_pages_give_the_same_window_as_the_files() -> None:
+    start, after = (
+        (FIXTURES / f"metrics-draft-{when}.txt").read_text() for when in ("start", "after")
+    )
+    clock = ManualClock()
+
+    async def scrape() -> Scraper:
+        with serving({"/metrics": Pages([start, after])}) as server:
+            async with scraper_for(
+                {"w": server.url("/metrics")}, ScraperSettings(), clock
+            ) as scraper:
+                for _ in range(2):
+                    assert await scraper.scrape("w")
+                    clock.advance(15.0)
+                return scraper
+
+    result = asyncio.run(scrape()).take_window("w")
+    expected = worker_window(parse_exposition(start), parse_exposition(after)).total
+    assert result.window is not None and result.scrapes == 2
+    assert result.window.total.spec == expected.spec
+    assert result.window.total.inter_token_latency == expected.inter_token_latency
+    assert result.window.total.duration_s == 15.0

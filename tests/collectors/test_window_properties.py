@@ -1,4 +1,5 @@
-"""Window statistics never raise on any pair of valid snapshots, and ratios stay in [0, 1].
+"""Window statistics never raise on any pair of valid snapshots, and ratios stay in [0, 1];
+a page written by prometheus_client parses back to the values written.
 
 "Valid" is what a vLLM page can say: counts are finite and non-negative, at most γ
 draft tokens per draft, accepted ≤ proposed, per-position counts non-increasing and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +22,10 @@ from collectors.exposition import (
     Histogram,
     SpecDecodeCounters,
     WorkerSnapshot,
+    parse_exposition,
 )
 from collectors.window import LatencyWindow, WindowStats, worker_window
+from tests.collectors.pages import EngineState, vllm_page
 
 BOUNDS = (0.01, 0.05, 0.1, 0.5, math.inf)
 counts = st.integers(min_value=0, max_value=10**9)
@@ -121,3 +125,32 @@ def test_a_snapshot_against_itself_is_an_empty_window(snapshot: WorkerSnapshot) 
     assert not window.reset
     spec = window.total.spec
     assert spec is None or (spec.drafts, spec.draft_tokens, spec.accepted_tokens) == (0, 0, 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    spec_counters(),
+    counts,
+    st.floats(min_value=0, max_value=1),
+    st.lists(st.floats(min_value=0, max_value=100), max_size=20),
+)
+def test_parsing_a_written_page_gives_back_its_values(
+    spec: SpecDecodeCounters, generated: int, kv: float, itl: list[float]
+) -> None:
+    state = EngineState(
+        spec=(
+            int(spec.drafts),
+            int(spec.draft_tokens),
+            int(spec.accepted_tokens),
+            tuple(int(v) for v in spec.accepted_per_position),
+        ),
+        generation_tokens=generated,
+        kv_cache_usage=kv,
+        itl_observations=itl,
+    )
+    (engine,) = parse_exposition(vllm_page([state])).engines.values()
+    assert engine.spec == spec
+    assert engine.generation_tokens == generated and engine.kv_cache_usage == kv
+    assert engine.inter_token_latency is not None
+    assert engine.inter_token_latency.count == len(itl)
+    assert engine.inter_token_latency.sum == pytest.approx(math.fsum(itl))
