@@ -621,6 +621,11 @@ def document_origin(name: str) -> str:
     return name.split("/", 1)[0]
 
 
+def _template_group(kind: str, templates: Sequence[str], template: str) -> str:
+    """Group name of a row built from a template: ``template:chat#4`` (no '/' in it)."""
+    return f"template:{kind}#{templates.index(template)}"
+
+
 def _project(document: SourceDocument) -> str:
     return document_origin(document.name).split(":", 1)[-1].removesuffix(".py")
 
@@ -773,7 +778,7 @@ def _make_code(side: _Side, rng: random.Random) -> tuple[str, str]:
     prompt = template.format(
         lang=rng.choice(CODE_LANGUAGES), task=rng.choice(side.lists["code_tasks"])
     )
-    return prompt, "template:code:" + template
+    return prompt, _template_group("code-request", CODE_REQUESTS, template)
 
 
 def _make_edit(side: _Side, rng: random.Random) -> tuple[str, str]:
@@ -818,7 +823,7 @@ def _make_chat(side: _Side, rng: random.Random) -> tuple[str, str]:
         )
         prompt = "\n\n".join([earlier, rng.choice(side.lists["turns"]), prompt])
     prompt = _wrap(prompt, side, rng, "chat")
-    return prompt, "template:chat:" + template
+    return prompt, _template_group("chat", CHAT_TEMPLATES, template)
 
 
 def _wrap(prompt: str, side: _Side, rng: random.Random, prefix: str) -> str:
@@ -845,12 +850,16 @@ def _make_creative(side: _Side, rng: random.Random) -> tuple[str, str]:
         scenario=rng.choice(side.lists["scenarios"]),
         opening=rng.choice(side.lists["openings"]),
     )
-    return _wrap(prompt, side, rng, "creative"), "template:creative:" + template
+    return _wrap(prompt, side, rng, "creative"), _template_group(
+        "creative", CREATIVE_TEMPLATES, template
+    )
 
 
 def _make_structured(side: _Side, rng: random.Random) -> tuple[str, str]:
     template = rng.choice(side.lists["structured"])
-    return _fill_structured(side, rng, template), "template:structured:" + template
+    return _fill_structured(side, rng, template), _template_group(
+        "structured", STRUCTURED_TEMPLATES, template
+    )
 
 
 _MAKERS: dict[str, Callable[[_Side, random.Random], tuple[str, str]]] = {
