@@ -19,8 +19,9 @@ Two ways to get one, in this order:
    character and word n-grams (hashing bounds memory whatever the vocabulary) plus
    numeric "shape" features — prompt length, code and JSON markers, how much the
    prompt repeats itself (share of repeated word 3-grams and lines: what an n-gram
-   proposer feeds on) and the sampling temperature — into a multinomial logistic
-   regression, which is cheap to evaluate and gives calibrated-enough probabilities.
+   proposer feeds on) and the sampling temperature — into a linear model with
+   logistic loss (one-vs-rest, fitted by SGD), which costs one sparse dot product to
+   evaluate and gives probabilities good enough to report and threshold.
    Only the head and tail of long prompts go through the n-gram features
    (:data:`TEXT_CLIP_CHARS`) so the per-request cost is bounded; the numeric features
    still see the whole length.
@@ -29,8 +30,8 @@ Why models are stored as *recipes*, not pickles: a pickled scikit-learn estimato
 only guaranteed to load under the exact scikit-learn version that wrote it, and loading
 a pickle runs arbitrary code. A :class:`ClassifierRecipe` is plain JSON — the labelled
 prompts and the seed — and loading one retrains the pipeline, which is deterministic
-(same recipe, same scikit-learn → same predictions) and takes well under a second per
-thousand prompts. The default model is such a recipe, built from local material and
+(same recipe, same scikit-learn → same predictions) and takes about a second for the
+default's 1,120 prompts on this 2-core machine (``bench/classifier.py`` measures it). The default model is such a recipe, built from local material and
 committed as package data (see :mod:`policies.classifier_data`); callers cache the
 trained classifier (``default_classifier`` does) rather than retrain per request.
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
@@ -98,8 +99,8 @@ class RequestShapeError(ValueError):
     """A request body's prompt, messages, metadata or temperature has the wrong type."""
 
 
-class LabelledDataError(ValueError):
-    """A labelled-prompt line is malformed; the message names the source and line."""
+class JsonLinesError(ValueError):
+    """A line of JSON-lines input is malformed; the message names the source and line."""
 
     def __init__(self, source: str, line_number: int, problem: str) -> None:
         super().__init__(f"{source}:{line_number}: {problem}")
@@ -258,7 +259,23 @@ def _as_temperature(value: object) -> float | None:
     return float(value)  # type: ignore[arg-type]
 
 
-def _text_branch(vectorizer: HashingVectorizer) -> Pipeline:
+HASHED_FEATURES = 2**16
+"""Columns per hashed n-gram family: fixed memory whatever the vocabulary."""
+
+
+def _hashed_tfidf(
+    analyzer: str, ngram_range: tuple[int, int], token_pattern: str | None = None
+) -> Pipeline:
+    """Clip the text, hash its n-grams, weight them by TF-IDF."""
+    vectorizer = HashingVectorizer(
+        analyzer=analyzer,
+        ngram_range=ngram_range,
+        token_pattern=token_pattern,
+        n_features=HASHED_FEATURES,
+        alternate_sign=False,
+        norm=None,
+        lowercase=True,
+    )
     return Pipeline(
         [
             ("clip", FunctionTransformer(_clip_column)),
@@ -268,30 +285,16 @@ def _text_branch(vectorizer: HashingVectorizer) -> Pipeline:
     )
 
 
+# Punctuation is a token of its own: braces, colons and quotes mark code and JSON.
+_WORD_TOKENS = r"(?u)\b\w+\b|[{}\[\]();:=<>#\"'`]"
+
+
 def build_pipeline(seed: int) -> Pipeline:
     """The untrained pipeline; input rows are ``[prompt_text, temperature_or_nan]``."""
-    chars = HashingVectorizer(
-        analyzer="char_wb",
-        ngram_range=(2, 4),
-        n_features=2**16,
-        alternate_sign=False,
-        norm=None,
-        lowercase=True,
-    )
-    # Punctuation tokens matter here (braces, colons, quotes mark code and JSON).
-    words = HashingVectorizer(
-        analyzer="word",
-        token_pattern=r"(?u)\b\w+\b|[{}\[\]();:=<>#\"'`]",
-        ngram_range=(1, 2),
-        n_features=2**16,
-        alternate_sign=False,
-        norm=None,
-        lowercase=True,
-    )
     features = ColumnTransformer(
         [
-            ("chars", _text_branch(chars), 0),
-            ("words", _text_branch(words), 0),
+            ("chars", _hashed_tfidf("char_wb", (2, 4)), 0),
+            ("words", _hashed_tfidf("word", (1, 2), _WORD_TOKENS), 0),
             (
                 "shape",
                 Pipeline(
@@ -483,39 +486,50 @@ def request_temperature(body: Mapping[str, Any]) -> float | None:
 # --- recipes and labelled data ------------------------------------------------------
 
 
-def parse_labelled_lines(lines: Iterable[str], source: str = "<input>") -> list[LabelledPrompt]:
-    """Parse JSON lines ``{"prompt": str, "class": str, "temperature"?: number}``.
+def json_object_lines(lines: Iterable[str], source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The JSON objects of a JSON-lines text with their 1-based line numbers.
 
-    Blank lines are skipped. Raises :class:`LabelledDataError` naming the 1-based line.
+    Blank lines are skipped; anything else that is not a JSON object raises
+    :class:`JsonLinesError` naming the line.
     """
-    examples: list[LabelledPrompt] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise LabelledDataError(source, number, f"not valid JSON ({exc.msg})") from None
+            raise JsonLinesError(source, number, f"not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
-            raise LabelledDataError(source, number, "expected a JSON object")
-        examples.append(_labelled_from_record(record, source, number))
+            raise JsonLinesError(source, number, "expected a JSON object")
+        yield number, record
+
+
+def parse_labelled_lines(lines: Iterable[str], source: str = "<input>") -> list[LabelledPrompt]:
+    """Parse JSON lines ``{"prompt": str, "class": str, "temperature"?: number}``.
+
+    Raises :class:`JsonLinesError` naming the 1-based line of the first bad one.
+    """
+    examples = [
+        _labelled_from_record(record, source, number)
+        for number, record in json_object_lines(lines, source)
+    ]
     if not examples:
-        raise LabelledDataError(source, 0, "no labelled prompts found")
+        raise JsonLinesError(source, 0, "no labelled prompts found")
     return examples
 
 
 def _labelled_from_record(record: Mapping[str, Any], source: str, number: int) -> LabelledPrompt:
     prompt = record.get("prompt")
     if not isinstance(prompt, str):
-        raise LabelledDataError(source, number, "'prompt' must be a string")
+        raise JsonLinesError(source, number, "'prompt' must be a string")
     label = record.get("class")
     if not isinstance(label, str):
-        raise LabelledDataError(source, number, "'class' must be a string")
+        raise JsonLinesError(source, number, "'class' must be a string")
     try:
         name = validate_class_name(label)
         temperature = request_temperature(record)
     except ValueError as exc:
-        raise LabelledDataError(source, number, str(exc)) from None
+        raise JsonLinesError(source, number, str(exc)) from None
     return LabelledPrompt(prompt, name, temperature)
 
 
@@ -553,7 +567,7 @@ def loads_recipe(text: str, source: str = "<model>") -> ClassifierRecipe:
     examples = []
     for index, record in enumerate(records):
         if not isinstance(record, dict):
-            raise LabelledDataError(source, index + 1, "example must be an object")
+            raise JsonLinesError(source, index + 1, "example must be an object")
         examples.append(_labelled_from_record(record, f"{source} example", index + 1))
     return ClassifierRecipe(tuple(examples), seed)
 

@@ -30,13 +30,14 @@ from typing import Any
 
 from policies.classifier import (
     ClassifierRecipe,
-    LabelledDataError,
+    JsonLinesError,
     RequestShapeError,
     UnknownWorkloadClassError,
     WorkloadClassifier,
     default_classifier,
     dumps_recipe,
     explicit_class,
+    json_object_lines,
     loads_recipe,
     parse_labelled_lines,
     prompt_text,
@@ -124,23 +125,14 @@ def _run_predict(args: argparse.Namespace) -> int:
 def classify_lines(
     classifier: WorkloadClassifier, lines: list[str], source: str
 ) -> list[dict[str, Any]]:
-    """One result object per non-blank line; raises ValueError naming the bad line.
+    """One result object per non-blank line; raises JsonLinesError naming the bad line.
 
     Every line is validated before any prediction, so a bad line yields no partial output.
     """
-    parsed: list[tuple[int, dict[str, Any]]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            body = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(body, dict):
-            raise ValueError(f"{source}:{number}: expected a JSON object (a request body)")
+    parsed = list(json_object_lines(lines, source))
+    for number, body in parsed:
         if "prompt" not in body and "messages" not in body:
-            raise ValueError(f"{source}:{number}: needs 'prompt' or 'messages'")
-        parsed.append((number, body))
+            raise JsonLinesError(source, number, "needs 'prompt' or 'messages'")
     results: list[dict[str, Any]] = []
     predict: list[tuple[dict[str, Any], str, float | None]] = []
     for number, body in parsed:
@@ -160,7 +152,7 @@ def classify_lines(
             else:
                 predict.append((result, prompt_text(body), request_temperature(body)))
         except (RequestShapeError, UnknownWorkloadClassError) as exc:
-            raise ValueError(f"{source}:{number}: {exc}") from None
+            raise JsonLinesError(source, number, str(exc)) from None
         results.append(result)
     predictions = classifier.predict_many([p for _, p, _ in predict], [t for _, _, t in predict])
     for (result, _, _), prediction in zip(predict, predictions, strict=True):
@@ -180,7 +172,7 @@ def _run_train(args: argparse.Namespace) -> int:
         examples = parse_labelled_lines(lines, str(args.data))
         recipe = ClassifierRecipe(tuple(examples), args.seed)
         classifier = train_classifier(recipe)
-    except LabelledDataError as exc:
+    except JsonLinesError as exc:
         return _fail(str(exc))
     except (OSError, ValueError) as exc:
         return _fail(f"{args.data}: {exc}")

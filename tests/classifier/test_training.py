@@ -8,7 +8,7 @@ import pytest
 from policies.classifier import (
     SHAPE_FEATURES,
     ClassifierRecipe,
-    LabelledDataError,
+    JsonLinesError,
     LabelledPrompt,
     WorkloadClassifier,
     dumps_recipe,
@@ -98,7 +98,7 @@ def test_labelled_lines_parse_and_normalise() -> None:
 )
 def test_bad_labelled_line_names_its_number(bad_line: str, problem: str) -> None:
     lines = ['{"prompt": "ok", "class": "code"}', "", bad_line]
-    with pytest.raises(LabelledDataError) as info:
+    with pytest.raises(JsonLinesError) as info:
         parse_labelled_lines(lines, "data.jsonl")
     assert info.value.line_number == 3
     assert str(info.value).startswith("data.jsonl:3: ")
