@@ -45,7 +45,12 @@ from policies.classifier import (
     train_classifier,
 )
 from policies.classifier_data import DEFAULT_SEED
-from policies.classifier_data.generate import SourceDocument, build_dataset, row_to_json
+from policies.classifier_data.generate import (
+    ROWS_PER_CLASS,
+    SourceDocument,
+    build_dataset,
+    row_to_json,
+)
 
 EXIT_USAGE = 2
 
@@ -94,6 +99,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build.add_argument("--out", type=Path, required=True, help="output .jsonl or .jsonl.gz")
     build.add_argument("--seed", type=int, default=DEFAULT_SEED)
     build.add_argument("--doc-dir", type=Path, default=Path("/usr/share/doc"))
+    build.add_argument("--rows-per-class", type=int, default=ROWS_PER_CLASS)
     build.set_defaults(func=_run_build_dataset)
 
 
@@ -200,7 +206,7 @@ def _run_build_dataset(args: argparse.Namespace) -> int:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     documents = collect_local_material(stdlib, args.doc_dir, random.Random(args.seed))
     try:
-        rows = build_dataset(documents, seed=args.seed)
+        rows = build_dataset(documents, seed=args.seed, rows_per_class=args.rows_per_class)
     except ValueError as exc:
         return _fail(str(exc))
     payload = "".join(row_to_json(row) + "\n" for row in rows).encode("utf-8")

@@ -134,6 +134,14 @@ CODE_TASKS = [
     "deduplicates records by key keeping the newest one",
     "implements a thread pool with a bounded queue",
     "computes the SHA-256 of a large file in chunks",
+    "parses ISO-8601 timestamps and converts them to UTC",
+    "implements a trie with insert and prefix search",
+    "batches items into groups of n and processes them concurrently",
+    "computes the shortest path in a weighted graph with Dijkstra's algorithm",
+    "renders a table of rows as aligned plain text columns",
+    "diffs two lists and reports added and removed items",
+    "watches a file for changes and reloads its contents",
+    "encodes and decodes base64 without using a library",
 ]
 
 CODE_REQUESTS = [
@@ -155,6 +163,16 @@ CODE_REQUESTS = [
     "Write a {lang} unit-tested helper that {task}; use type hints where possible.",
     "Sketch the {lang} API and implementation for something that {task}.",
     "My {lang} program needs a function that {task}. Write it with comments.",
+    "Write {lang} code which {task}. Return only the code block.",
+    "Implement this in {lang}: a function that {task}. Handle edge cases and add tests.",
+    "Code challenge ({lang}): write a function that {task}. Aim for O(n log n) or better.",
+    "```{lang}\n// function that {task}\n```\nFill in the body.",
+    "Could you code up something in {lang} that {task}? I'll paste it into my repo.",
+    "Need a quick {lang} snippet: {task}. No explanations, just code.",
+    "Write a {lang} function signature and body for a helper that {task}.",
+    "Show me how to write a {lang} method that {task}, using the standard library.",
+    "In {lang}, how do I write a function that {task}? Please include example usage.",
+    "Write a pytest-tested Python function that {task}.",
 ]
 
 CODE_LANGUAGES = ["Python", "Go", "Rust", "TypeScript", "Java", "C", "C++", "Kotlin"]
@@ -190,6 +208,14 @@ STRUCTURED_TEMPLATES = [
     "Write the OpenAPI schema component (JSON) for {subject} with properties {keys}.",
     'Summarise into JSON: {{"title": str, "keywords": [str], "summary": str}}.\n{passage}',
     "Return a GeoJSON Feature for {subject}.",
+    "Respond with JSON only. Keys: {keys}. Subject: {subject}.",
+    "Extract every date and amount from this text as a JSON array of objects:\n{passage}",
+    "Here is a record:\n{record}\nReturn it as a JSON object, numbers as numbers.",
+    "Write a JSON fixture with {n} sample records for tests; fields {keys}.",
+    "Given the schema {schema}, produce one valid instance for {subject}.",
+    "Transform this JSON into a flat object with dotted keys:\n{json}",
+    'Answer as {{"items": [...], "count": int}} listing {n} examples of {subject}.',
+    "Emit the settings below as a JSON document with the same keys:\n{record}",
 ]
 
 EDIT_TEMPLATES = [
@@ -225,6 +251,15 @@ EDIT_TEMPLATES = [
     "Here are search results:\n1. {passage}\n2. {passage2}\nAnswer the user: what about {term}?",
     "Restructure this paragraph so the main point comes first.\n{passage}",
     "Rewrite this as an email to my team:\n\n{passage}",
+    "Make the following text sound friendlier, same content:\n\n{passage}",
+    "Knowledge base article:\n{passage}\n\nCustomer question: how does {term} work? Answer from"
+    " the article only.",
+    "Simplify the wording of this paragraph for non-native speakers:\n{passage}",
+    "Edit for brevity. Keep technical terms like {term} unchanged.\n\n{passage}",
+    'Source text:\n"""\n{passage}\n"""\nWhat does the source say about {term}? Quote it.',
+    "Rewrite the paragraph below replacing jargon with everyday words.\n\n{passage}",
+    "Read the text and list its main claims as short sentences:\n{passage}",
+    "Fix the punctuation in this passage:\n{passage}",
 ]
 
 CHAT_TEMPLATES = [
@@ -301,6 +336,16 @@ CHAT_TURNS = [
     "Here is a brief overview to get you started.",
     "Great, let me know if you want more detail.",
     "I understand. Let's take it step by step.",
+    "Happy to! What would you like to know first?",
+    "Absolutely. The short answer is yes, with a few caveats.",
+    "Fair point. Many would agree with you.",
+    "Glad that was useful!",
+    "Honestly, there's no single right answer here.",
+    "Of course. Here's how I'd think about it.",
+    "That's a great question to ask early on.",
+    "Let me try a different angle.",
+    "You're welcome! Anything else on your mind?",
+    "It varies a lot from person to person.",
 ]
 
 EVERYDAY_TOPICS = [
@@ -527,8 +572,10 @@ FIELD_NAMES = [
     "currency",
 ]
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _PARAGRAPH_SPLIT = re.compile(r"\n\s*\n")
 _TERM = re.compile(r"\b[a-z][a-z]{4,11}\b")
+_CODE_PUNCTUATION = re.compile(r"[=();{}\[\]:]")
 _COMMENT_STARTS = ("#", "*", "/*", "//", '"""', "'''", "%", ";")
 _PYTHON_START = re.compile(r"^(def |class |async def )")
 _STOPWORDS = frozenset(
@@ -652,6 +699,15 @@ class _Side:
     lists: dict[str, list[str]]
 
 
+def _excerpt(passage: str, rng: random.Random) -> str:
+    """A whole paragraph, or (a third of the time) only its first sentence or two: RAG
+    contexts and edit requests come short as well as long."""
+    if rng.random() >= 1 / 3:
+        return passage
+    sentences = _SENTENCE_END.split(passage)
+    return " ".join(sentences[: rng.randint(1, 2)])
+
+
 def _passages(document: SourceDocument) -> list[str]:
     """Paragraphs of prose (mostly letters) of a usable length."""
     out: list[str] = []
@@ -683,8 +739,9 @@ def _code_chunk(document: SourceDocument, rng: random.Random) -> str | None:
     chunk = lines[start : start + rng.randint(8, MAX_CODE_LINES)]
     body = [line.strip() for line in chunk if line.strip()]
     comments = sum(1 for line in body if line.startswith(_COMMENT_STARTS))
+    code_like = sum(1 for line in body if _CODE_PUNCTUATION.search(line))
     # Licence headers and comment blocks are prose in code's clothing: skip them.
-    if len(body) < 5 or comments > len(body) / 3:
+    if len(body) < 5 or comments > len(body) / 3 or code_like < len(body) / 2:
         return None
     return "\n".join(chunk).rstrip()
 
@@ -718,7 +775,7 @@ def _fill_structured(side: _Side, rng: random.Random, template: str) -> str:
         schema=json.dumps(
             {"type": "object", "properties": {f: {"type": _json_type(f)} for f in fields}}
         ),
-        passage=rng.choice(passages),
+        passage=_excerpt(rng.choice(passages), rng),
         template=json.dumps(dict.fromkeys(fields), indent=2),
         n=rng.randint(2, 8),
         extra=rng.choice(terms),
@@ -790,7 +847,7 @@ def _make_edit(side: _Side, rng: random.Random) -> tuple[str, str]:
         terms = _terms(document.text) or ["this"]
         template = rng.choice(side.lists["edit"])
         prompt = template.format(
-            passage=rng.choice(passages),
+            passage=_excerpt(rng.choice(passages), rng),
             passage2=rng.choice(passages),
             term=rng.choice(terms),
             term2=rng.choice(terms),
