@@ -68,3 +68,14 @@ def test_default_model_is_trained_on_the_train_split_only() -> None:
 )
 def test_keyword_baseline_rules(prompt: str, expected: str) -> None:
     assert keyword_rules(prompt) == expected
+
+
+def test_hotter_sampling_makes_creative_likelier() -> None:
+    # The same ambiguous text at rising temperatures: the temperature feature is used.
+    classifier = default_classifier()
+    creative = classifier.classes.index("creative")
+    temperatures: list[float | None] = [0.0, 0.5, 1.0, 1.5]
+    text = "Tell me about autumn."
+    probabilities = classifier.probabilities([text] * 4, temperatures)[:, creative]
+    assert list(probabilities) == sorted(probabilities)
+    assert probabilities[-1] > probabilities[0] + 0.1
