@@ -64,9 +64,8 @@ from sklearn.linear_model import SGDClassifier
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
-DEFAULT_CLASSES: tuple[str, ...] = ("code", "structured", "edit", "chat", "creative")
-"""The shipped model's classes: code; structured output (JSON); edit / RAG (rewrite or
-answer from a given text); chat; creative writing."""
+# Re-exported: the shipped model's classes are defined where its dataset is built.
+from policies.classifier_data.generate import DEFAULT_CLASSES as DEFAULT_CLASSES
 
 WORKLOAD_CLASS_HEADER = "X-Workload-Class"
 METADATA_CLASS_FIELD = "workload_class"

@@ -872,6 +872,10 @@ _MAKERS: dict[str, Callable[[_Side, random.Random], tuple[str, str]]] = {
     "creative": _make_creative,
 }
 
+DEFAULT_CLASSES: tuple[str, ...] = tuple(_MAKERS)
+"""The default model's classes: code; structured output (JSON); edit / RAG (rewrite or
+answer from a given text); chat; creative writing."""
+
 _LISTS: dict[str, Sequence[str]] = {
     "code_instructions": CODE_INSTRUCTIONS,
     "code_tasks": CODE_TASKS,
