@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.classifier import (
+    TEXT_CLIP_CHARS,
     RequestShapeError,
     UnknownWorkloadClassError,
     WorkloadClassifier,
+    clip_text,
     explicit_class,
     prompt_text,
     request_temperature,
@@ -108,3 +112,47 @@ def test_temperature_is_validated() -> None:
     for bad in ("0.7", True, -0.1, float("inf")):
         with pytest.raises(RequestShapeError):
             request_temperature({"temperature": bad})
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["role", "content", "type", "text"]), children, max_size=3
+        )
+    ),
+    max_leaves=8,
+)
+request_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": json_values,
+        "messages": json_values,
+        "temperature": json_values,
+        "metadata": json_values | st.fixed_dictionaries({"workload_class": json_values}),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=request_bodies, header=st.none() | st.text(max_size=12))
+def test_any_body_gets_a_known_class_or_a_request_error(
+    small_classifier: WorkloadClassifier, body: dict[str, object], header: str | None
+) -> None:
+    # What a gateway relies on: nothing but these two errors, and never an unknown class.
+    headers = {} if header is None else {"X-Workload-Class": header}
+    try:
+        result = small_classifier.classify_request(headers, body)
+    except (RequestShapeError, UnknownWorkloadClassError):
+        return
+    assert result.workload_class in small_classifier.classes
+    assert 0.0 <= result.probability <= 1.0
+
+
+def test_long_prompts_keep_head_and_tail_only() -> None:
+    text = "HEAD " + "x" * 100_000 + " TAIL"
+    clipped = clip_text(text)
+    assert len(clipped) <= TEXT_CLIP_CHARS + 1
+    assert clipped.startswith("HEAD ") and clipped.endswith(" TAIL")
+    assert clip_text("short") == "short"
