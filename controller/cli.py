@@ -13,7 +13,12 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute sub-commands, in the order `--help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("controller.demo", "collectors.cli", "testbed.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "controller.demo",
+    "collectors.cli",
+    "policies.classifier_cli",
+    "testbed.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
