@@ -31,6 +31,7 @@ def register(subparsers: Any) -> None:
 
     methods = sub.add_parser("methods", help="try each speculative method on this vLLM build")
     methods.add_argument("--json-out", type=Path, default=None, help="also write outcomes here")
+    methods.add_argument("--only", nargs="*", default=(), help="methods to try (default: all)")
     methods.set_defaults(func=_methods)
 
 
@@ -76,7 +77,7 @@ def _methods(args: argparse.Namespace) -> int:
 
     env, models = ensure_all()
     with tempfile.TemporaryDirectory(prefix="specpilot-heads-") as workdir:
-        outcomes = probe(env, models, Path(workdir))
+        outcomes = probe(env, models, Path(workdir), tuple(args.only))
     for o in outcomes:
         result = f"runs, acceptance {o.acceptance_rate}" if o.served else f"fails: {o.error}"
         print(f"{o.method:12s} {result}")

@@ -42,6 +42,10 @@ def write_config_only_head(models: ModelSet, method: str, out: Path) -> Path:
     config["num_hidden_layers"] = 1
     if method == "eagle3":
         config["draft_vocab_size"] = config["vocab_size"]
+        # vLLM's default aux layers for Llama, (2, n // 2, n - 3), collide on a 4-layer
+        # target (2, 2, 1) and the head's fc then gets 2 instead of 3 hidden states.
+        layers = _target_layers(models)
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, layers // 2, layers - 1]}
     head = out / f"{method}-head"
     head.mkdir(parents=True, exist_ok=True)
     (head / "config.json").write_text(json.dumps(config, indent=2))
@@ -51,11 +55,26 @@ def write_config_only_head(models: ModelSet, method: str, out: Path) -> Path:
     return head
 
 
+def _target_layers(models: ModelSet) -> int:
+    layers: int = json.loads((models.target / "config.json").read_text())["num_hidden_layers"]
+    return layers
+
+
 def candidate_configs(models: ModelSet, workdir: Path) -> dict[str, dict[str, Any]]:
     configs: dict[str, dict[str, Any]] = {
         "ngram": parse_spec("ngram:4", models) or {},
         "draft_model": parse_spec("draft:0.3:3", models) or {},
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+        # Not methods, but config shapes specpilot's actuators may push.
+        "ngram+batch_table": {
+            **(parse_spec("ngram:4", models) or {}),
+            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 8, 2], [9, 1024, 0]],
+        },
+        "ngram+synthetic": {
+            **(parse_spec("ngram:4", models) or {}),
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.8, 0.6, 0.4, 0.2],
+        },
     }
     for method in ("eagle", "eagle3"):
         configs[method] = {
@@ -73,9 +92,13 @@ def _error_line(log: str) -> str:
     return (lines[-1] if lines else log.splitlines()[-1] if log else "no output").strip()[:400]
 
 
-def probe(env: VllmEnvironment, models: ModelSet, workdir: Path) -> list[MethodOutcome]:
+def probe(
+    env: VllmEnvironment, models: ModelSet, workdir: Path, only: tuple[str, ...] = ()
+) -> list[MethodOutcome]:
     outcomes = []
     for method, config in candidate_configs(models, workdir).items():
+        if only and method not in only:
+            continue
         server = VllmServer(env, models, config)
         try:
             with server, httpx.Client(base_url=server.base_url, timeout=120.0) as client:
