@@ -140,8 +140,9 @@ class StoreSettings(_Strict):
     rollup_period_s: PositiveSeconds = 3600.0
     write_buffer_max: int = Field(default=10_000, ge=1)
     """Records held in memory while the database is unreachable; oldest observations go first."""
-    snapshot_interval_s: PositiveSeconds = 60.0
-    """How often the learned policy state is saved (and always on shutdown)."""
+    snapshot_interval_s: float = Field(default=0.0, ge=0)
+    """How often the learned policy state is saved; 0: every loop interval, so a crash
+    loses at most one interval of learning. Always saved on shutdown."""
 
 
 class ApiSettings(_Strict):
@@ -160,6 +161,23 @@ class PolicySettings(_Strict):
     """Time under a new arm before its speed-up is measured against the previous one."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Passed to the policy as is (exploration, priors, ...)."""
+
+
+class WiringSettings(_Strict):
+    """Where the policy and the collectors come from: ``"package.module:factory"``, a
+    callable taking the ``Settings``. None: the built-ins of ``controller.builtin``."""
+
+    policy: str | None = None
+    collector: str | None = None
+
+    @field_validator("policy", "collector")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is not None:
+            module, sep, attr = value.partition(":")
+            if not sep or not module or not attr.isidentifier():
+                raise ValueError(f"expected 'package.module:factory', got {value!r}")
+        return value
 
 
 class LeaderSettings(_Strict):
@@ -185,6 +203,7 @@ class Settings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     leader: LeaderSettings = LeaderSettings()
     actuators: ActuatorSettings = ActuatorSettings()
+    wiring: WiringSettings = WiringSettings()
     buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     """Inclusive lower edges of the concurrency buckets, starting at 1."""
     classes: list[str] = Field(default_factory=lambda: ["code", "chat", "rag", "creative"])
