@@ -264,12 +264,20 @@ def test_restart_restores_arms_and_learned_state(tmp_path: Path) -> None:
 
 
 def test_shutdown_saves_state_and_closes_the_source(harness: Harness) -> None:
+    class Draining(QueueSource):
+        async def collect(self) -> Collected:
+            batch = await super().collect()
+            self.drained.set()
+            return batch
+
     async def run() -> None:
+        source = Draining()
+        source.drained = asyncio.Event()
+        source.batches.append(Collected((observation("off", 0.02),)))
+        harness.loop.source = harness.source = source
         stop = asyncio.Event()
         task = asyncio.create_task(harness.loop.run(stop))
-        harness.source.batches.append(Collected((observation("off", 0.02),)))
-        while harness.source.batches:
-            await asyncio.sleep(0.01)
+        await source.drained.wait()
         stop.set()
         await task
 
