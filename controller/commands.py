@@ -47,4 +47,5 @@ def serve_command(args: argparse.Namespace) -> int:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    return serve(settings)
+    code: int = serve(settings)
+    return code

@@ -26,7 +26,6 @@ read, writes wait in the bounded ``BufferedWriter``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -155,7 +154,7 @@ class ControlLoop:
         self._loaded_snapshot_ts = -math.inf
         self._housekeeping_at = -math.inf
         self._push_all = True
-        self._actuated: dict[str, str] = {}
+        self._wake = asyncio.Event()
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -229,10 +228,22 @@ class ControlLoop:
                     self.metrics.loop_errors.inc()
                 self.metrics.loop_duration.observe(time.monotonic() - started)
                 self.metrics.loop_iterations.inc()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=self.settings.scrape_interval_s)
+                await self._sleep(stop)
         finally:
             await self.shutdown()
+
+    def wake(self) -> None:
+        """Run the next iteration now (an operator changed something), not at the interval."""
+        self._wake.set()
+
+    async def _sleep(self, stop: asyncio.Event) -> None:
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())}
+        _, pending = await asyncio.wait(
+            waits, timeout=self.settings.scrape_interval_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
+        self._wake.clear()
 
     async def shutdown(self) -> None:
         """Save the learned state and flush buffered writes (SIGTERM ends here)."""

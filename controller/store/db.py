@@ -420,17 +420,24 @@ class Store:
         limit: int = 50,
         before: int | None = None,
         context: ContextKey | None = None,
+        model: str | None = None,
+        workload_class: str | None = None,
+        bucket: str | None = None,
     ) -> DecisionPage:
-        """Newest first; ``before`` is the id the previous page ended after."""
+        """Newest first; ``before`` is the id the previous page ended after. Filter by a
+        whole ``context`` or by any of its fields."""
+        if context is not None:
+            model, workload_class, bucket = context.model, context.workload_class, context.bucket
         query = select(DecisionRow).order_by(DecisionRow.id.desc()).limit(limit + 1)
         if before is not None:
             query = query.where(DecisionRow.id < before)
-        if context is not None:
-            query = query.where(
-                DecisionRow.model == context.model,
-                DecisionRow.workload_class == context.workload_class,
-                DecisionRow.bucket == context.bucket,
-            )
+        for column, value in (
+            (DecisionRow.model, model),
+            (DecisionRow.workload_class, workload_class),
+            (DecisionRow.bucket, bucket),
+        ):
+            if value is not None:
+                query = query.where(column == value)
         with self._session() as session:
             rows = session.scalars(query).all()
         page = tuple(_decision(r) for r in rows[:limit])

@@ -25,35 +25,12 @@ from controller.settings import Settings
 from controller.store.db import Store
 from controller.store.leader import AdvisoryLockLeader
 from controller.store.records import OverrideRecord, Scope
-from tests.controller.conftest import PgDatabase
+from tests.controller.conftest import PgDatabase, make_settings
 from tests.controller.fakes import QueueSource, ScriptedPolicy, observation
 
 CODE_LOW = ContextKey("m", "code", "1-3")
 CODE_HIGH = ContextKey("m", "code", "4+")
 CHAT_LOW = ContextKey("m", "chat", "1-3")
-
-
-def make_settings(tmp_path: Path, store_url: str | None = None, **policy: Any) -> Settings:
-    return Settings(
-        data_dir=tmp_path / "data",
-        store={"url": store_url},
-        classes=["code", "chat"],
-        buckets=[1, 4],
-        scrape_interval_s=0.05,
-        policy={"min_dwell_s": 0, "measure_after_s": 10, **policy},
-        fleet={
-            "pools": {
-                "p": {
-                    "model": "m",
-                    "instances": ["http://127.0.0.1:9"],
-                    "proposers": {
-                        "ngram": {"method": "ngram", "gamma": [1, 4]},
-                        "tiny": {"method": "draft_model", "model": "/d", "gamma": [1, 3]},
-                    },
-                }
-            }
-        },
-    )
 
 
 class Clock:

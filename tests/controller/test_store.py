@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from controller.store.records import (
     Scope,
     WindowStatRecord,
 )
-from tests.controller.conftest import PgDatabase
+from tests.controller.conftest import PgDatabase, free_port
 
 CODE = ContextKey("m", "code", "1")
 CHAT = ContextKey("m", "chat", "2-3")
@@ -150,12 +149,6 @@ def test_roll_up_bounds_raw_rows_and_keeps_the_figures(store: Store) -> None:
     assert store.roll_up(now=3000.0, retention_s=500.0, period_s=60.0) == 10
     assert store.stats(since=0.0)[0].requests == 130
     assert store.stats(since=0.0, workload_class="chat") == []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_unreachable_store_at_start_is_a_clear_error(tmp_path: Path) -> None:
