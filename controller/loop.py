@@ -26,6 +26,7 @@ read, writes wait in the bounded ``BufferedWriter``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -155,6 +156,8 @@ class ControlLoop:
         self._housekeeping_at = -math.inf
         self._push_all = True
         self._wake = asyncio.Event()
+        self._acting_as_leader = False
+        """Whether the previous iteration ran as leader (a change means: take over)."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -218,6 +221,7 @@ class ControlLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Iterate every scrape interval until ``stop`` is set, then shut down cleanly."""
+        watcher = asyncio.create_task(self._watch_leadership(stop))
         try:
             while not stop.is_set():
                 started = time.monotonic()
@@ -230,7 +234,24 @@ class ControlLoop:
                 self.metrics.loop_iterations.inc()
                 await self._sleep(stop)
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             await self.shutdown()
+
+    async def _watch_leadership(self, stop: asyncio.Event) -> None:
+        """Check leadership every ``leader.check_interval_s``, between iterations too, so a
+        follower takes over within seconds of the leader's death, whatever the interval."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.leader.check_interval_s)
+            if not self.is_leader and await self._check_leadership():
+                self.wake()
+
+    async def _check_leadership(self) -> bool:
+        self.is_leader = await asyncio.to_thread(self.leadership.check)
+        self.metrics.leader.set(1 if self.is_leader else 0)
+        return self.is_leader
 
     def wake(self) -> None:
         """Run the next iteration now (an operator changed something), not at the interval."""
@@ -259,9 +280,8 @@ class ControlLoop:
 
     async def tick(self) -> None:
         now = self.clock()
-        was_leader = self.is_leader
-        self.is_leader = await asyncio.to_thread(self.leadership.check)
-        self.metrics.leader.set(1 if self.is_leader else 0)
+        was_leader = self._acting_as_leader
+        self._acting_as_leader = await self._check_leadership()
         if not self.is_leader:
             await self._read(self._load, None)
             self.last_tick_at = now

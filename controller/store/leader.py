@@ -13,6 +13,7 @@ is held elsewhere.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Protocol
 
 from sqlalchemy import Connection, create_engine, text
@@ -61,12 +62,17 @@ class AdvisoryLockLeader:
         )
         self._connection: Connection | None = None
         self._leader = False
+        self._lock = threading.Lock()
 
     @property
     def is_leader(self) -> bool:
         return self._leader
 
     def check(self) -> bool:
+        with self._lock:  # the loop and its leadership watcher both check
+            return self._check()
+
+    def _check(self) -> bool:
         if self._connection is not None:
             try:
                 self._connection.exec_driver_sql("SELECT 1")
@@ -110,9 +116,10 @@ class AdvisoryLockLeader:
                 log.debug("closing a broken lock connection failed", exc_info=True)
 
     def release(self) -> None:
-        self._drop_connection()
-        self._leader = False
-        self._engine.dispose()
+        with self._lock:
+            self._drop_connection()
+            self._leader = False
+            self._engine.dispose()
 
 
 def leadership_for(url: str) -> Leadership:
