@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controller.settings import SettingsError, load_settings, summary
+from controller.settings import Settings, SettingsError, load_settings, summary
 
 
 def register(subparsers: Any) -> None:
@@ -24,13 +24,20 @@ def register(subparsers: Any) -> None:
     serve.set_defaults(func=serve_command)
 
 
-def config_check(args: argparse.Namespace) -> int:
-    """Exit 0 with a summary, or 2 with one line per error naming the key."""
+def _load_or_report(path: Path) -> Settings | None:
+    """The settings, or None after printing one ``error: key: problem`` line per error."""
     try:
-        settings = load_settings(args.file)
+        return load_settings(path)
     except SettingsError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
+        return None
+
+
+def config_check(args: argparse.Namespace) -> int:
+    """Exit 0 with a summary, or 2 with one line per error naming the key."""
+    settings = _load_or_report(args.file)
+    if settings is None:
         return 2
     print(f"{args.file}: OK")
     for line in summary(settings):
@@ -41,11 +48,8 @@ def config_check(args: argparse.Namespace) -> int:
 def serve_command(args: argparse.Namespace) -> int:
     from controller.serve import serve  # the service stack loads only when it is run
 
-    try:
-        settings = load_settings(args.config)
-    except SettingsError as exc:
-        for line in exc.problems:
-            print(f"error: {line}", file=sys.stderr)
+    settings = _load_or_report(args.config)
+    if settings is None:
         return 2
     code: int = serve(settings)
     return code

@@ -7,12 +7,13 @@ errors from bugs); ``controller.store.buffer`` builds the write buffer on that.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -24,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controller.contexts import ContextKey
 from controller.store.models import (
     AlertRow,
+    Base,
     DecisionRow,
     ObservationRollupRow,
     ObservationRow,
@@ -191,21 +193,7 @@ class Store:
         if not records:
             return
         with self._session() as session, session.begin():
-            session.add_all(
-                WindowStatRow(
-                    ts=r.ts,
-                    pool=r.pool,
-                    instance=r.instance,
-                    model=r.model,
-                    window_s=r.window_s,
-                    acceptance_rate=r.acceptance_rate,
-                    mean_acceptance_length=r.mean_acceptance_length,
-                    tpot_p50_s=r.tpot_p50_s,
-                    requests_running=r.requests_running,
-                    healthy=r.healthy,
-                )
-                for r in records
-            )
+            session.add_all(WindowStatRow(**dataclasses.asdict(r)) for r in records)
 
     def latest_window_stats(self) -> list[WindowStatRecord]:
         """The newest window of every (pool, instance)."""
@@ -218,21 +206,7 @@ class Store:
             rows = session.scalars(
                 select(WindowStatRow).join(newest, WindowStatRow.id == newest.c.id)
             ).all()
-        return [
-            WindowStatRecord(
-                ts=r.ts,
-                pool=r.pool,
-                instance=r.instance,
-                model=r.model,
-                window_s=r.window_s,
-                acceptance_rate=r.acceptance_rate,
-                mean_acceptance_length=r.mean_acceptance_length,
-                tpot_p50_s=r.tpot_p50_s,
-                requests_running=r.requests_running,
-                healthy=r.healthy,
-            )
-            for r in rows
-        ]
+        return [_record(WindowStatRecord, r) for r in rows]
 
     def count_observations(self) -> int:
         with self._session() as session:
@@ -501,14 +475,7 @@ class Store:
 
     def record_alert(self, alert: AlertRecord) -> int:
         with self._session() as session, session.begin():
-            row = AlertRow(
-                ts=alert.ts,
-                name=alert.name,
-                severity=alert.severity,
-                context=alert.context,
-                message=alert.message,
-                resolved_at=alert.resolved_at,
-            )
+            row = AlertRow(**dataclasses.asdict(alert))
             session.add(row)
             session.flush()
             return row.id
@@ -519,18 +486,7 @@ class Store:
             query = query.where(AlertRow.resolved_at.is_(None))
         with self._session() as session:
             rows = session.scalars(query).all()
-        return [
-            AlertRecord(
-                ts=r.ts,
-                name=r.name,
-                severity=r.severity,
-                message=r.message,
-                context=r.context,
-                resolved_at=r.resolved_at,
-                id=r.id,
-            )
-            for r in rows
-        ]
+        return [_record(AlertRecord, r) for r in rows]
 
     def save_snapshot(self, ts: float, state: dict[str, Any], keep: int = 20) -> None:
         """Save the learned state and drop all but the ``keep`` newest snapshots."""
@@ -584,6 +540,14 @@ _ROLLUP_SUMS = (
     "acceptance_length_sum",
     "acceptance_length_count",
 )
+
+
+R = TypeVar("R")
+
+
+def _record(kind: type[R], row: Base) -> R:
+    """A flat record from the row whose columns carry its field names."""
+    return kind(**{f.name: getattr(row, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
 
 
 def _decision(row: DecisionRow) -> DecisionRecord:
