@@ -43,6 +43,7 @@ from controller.settings import Settings
 from controller.specconfig import SpecConfigError
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store, is_unavailable
+from controller.store.journal import Journal
 from controller.store.leader import Leadership
 from controller.store.records import (
     Actor,
@@ -133,11 +134,13 @@ class ControlLoop:
         leadership: Leadership,
         actuators: Sequence[Actuator],
         metrics: ServiceMetrics,
+        journal: Journal,
         clock: Clock = time.time,
     ) -> None:
         self.settings, self.fleet, self.policy, self.source = settings, fleet, policy, source
         self.store, self.writer, self.leadership = store, writer, leadership
         self.actuators, self.metrics, self.clock = actuators, metrics, clock
+        self.journal = journal
         # What the API reads (this replica's view).
         self.arms: dict[ContextKey, str] = {}
         self.actors: dict[ContextKey, Actor] = {}
@@ -188,6 +191,21 @@ class ControlLoop:
         )
         self._note_store(reached)
 
+    async def _record(self, record: DecisionRecord | AlertRecord) -> None:
+        """Store a decision or alert before acting on it; if the store is away, also
+        journal it on local disk so that not even a crash during the outage loses it."""
+        if isinstance(record, DecisionRecord):
+            await self._write(Store.record_decision, record)
+        else:
+            await self._write(Store.record_alert, record)
+        if not self.store_reachable:
+            await asyncio.to_thread(self.journal.append, record)
+
+    async def _flush(self) -> None:
+        """Replay buffered writes; once all reached the store, the journal is redundant."""
+        if await asyncio.to_thread(self.writer.flush) and self.journal:
+            await asyncio.to_thread(self.journal.clear)
+
     def _note_store(self, reachable: bool) -> None:
         self.store_reachable = reachable
         self.metrics.store_up.set(1 if reachable else 0)
@@ -196,7 +214,10 @@ class ControlLoop:
     # -- start, follow, take over --------------------------------------------------------
 
     def _load(self) -> None:
-        """Bring this replica's view up to the store's: arms, freeze flag, learned state."""
+        """Bring this replica's view up to the store's: arms, freeze flag, learned state
+        (after replaying what a crash during an outage left in the journal)."""
+        if self.journal:
+            self.journal.replay(self.store)
         latest = self.store.latest_decisions()
         for context in self.fleet.contexts:
             decision = latest.get(context)
@@ -271,7 +292,7 @@ class ControlLoop:
         if self.is_leader:
             state, now = self.policy.state_dict(), self.clock()
             await self._write(Store.save_snapshot, now, state)
-        await asyncio.to_thread(self.writer.flush)
+        await self._flush()
         await self.source.aclose()
         await asyncio.to_thread(self.leadership.release)
         self.is_leader = False
@@ -289,7 +310,7 @@ class ControlLoop:
         if not was_leader:
             await self._read(self._load, None)  # take-over: continue from the store
             self._push_all = True
-        await asyncio.to_thread(self.writer.flush)
+        await self._flush()
 
         collected = await self.source.collect()
         await self._store_collected(collected.observations, collected.windows, now)
@@ -313,7 +334,7 @@ class ControlLoop:
             if target is not None and target.arm != self.arms.get(context):
                 decisions.append(self._decision(context, target, now))
         for decision in decisions:
-            await self._write(Store.record_decision, decision)
+            await self._record(decision)
             self._apply(decision)
         await self._actuate([d.context for d in decisions])
 
@@ -355,7 +376,7 @@ class ControlLoop:
                         "warning",
                         f"override {override.id} ({override.reason}) is ignored: {exc}",
                     )
-                    await self._write(Store.record_alert, alert)
+                    await self._record(alert)
                 continue
             for context in contexts:
                 pins[context] = Pin(arm, override)
@@ -431,7 +452,7 @@ class ControlLoop:
                 alert = AlertRecord(
                     self.clock(), "ActuatorFailed", "critical", f"{actuator.name}: {exc}"
                 )
-                await self._write(Store.record_alert, alert)
+                await self._record(alert)
 
     async def _measure(self, now: float) -> None:
         wait = self.settings.policy.measure_after_s

@@ -20,6 +20,7 @@ from controller.ports import ControlPolicy, ObservationSource
 from controller.settings import Settings
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store
+from controller.store.journal import Journal
 from controller.store.leader import Leadership, leadership_for
 from controller.telemetry import ServiceMetrics
 
@@ -68,6 +69,7 @@ def build_service(
         leadership=leadership if leadership is not None else leadership_for(settings.store_url),
         actuators=actuators if actuators is not None else [FileActuator(settings.actuator_dir)],
         metrics=metrics,
+        journal=Journal(settings.data_dir / "journal.jsonl"),
         clock=clock,
     )
     return Service(settings, fleet, store, policy, loop, metrics, registry, clock)

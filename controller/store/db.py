@@ -374,6 +374,24 @@ class Store:
             session.flush()
             return row.id
 
+    def record_decision_once(self, decision: DecisionRecord) -> bool:
+        """Record unless the same decision (context, time, arm) is stored; True if new."""
+        c = decision.context
+        with self._session() as session:
+            exists = session.scalar(
+                select(func.count(DecisionRow.id)).where(
+                    DecisionRow.model == c.model,
+                    DecisionRow.workload_class == c.workload_class,
+                    DecisionRow.bucket == c.bucket,
+                    DecisionRow.ts == decision.ts,
+                    DecisionRow.arm == decision.arm,
+                )
+            )
+        if exists:
+            return False
+        self.record_decision(decision)
+        return True
+
     def set_measured_speedup(self, context: ContextKey, decided_at: float, value: float) -> None:
         """Fill in what a decision (known by its context and time) turned out to buy."""
         with self._session() as session, session.begin():
@@ -479,6 +497,21 @@ class Store:
             session.add(row)
             session.flush()
             return row.id
+
+    def record_alert_once(self, alert: AlertRecord) -> bool:
+        """Record unless the same alert (time, name, message) is stored; True if new."""
+        with self._session() as session:
+            exists = session.scalar(
+                select(func.count(AlertRow.id)).where(
+                    AlertRow.ts == alert.ts,
+                    AlertRow.name == alert.name,
+                    AlertRow.message == alert.message,
+                )
+            )
+        if exists:
+            return False
+        self.record_alert(alert)
+        return True
 
     def alerts(self, *, limit: int = 100, unresolved_only: bool = False) -> list[AlertRecord]:
         query = select(AlertRow).order_by(AlertRow.id.desc()).limit(limit)

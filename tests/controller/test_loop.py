@@ -328,7 +328,37 @@ def test_loop_keeps_deciding_through_a_postgresql_outage(tmp_path: Path, pg: PgD
         assert h.store.count_observations() == 1
         assert registry.get_sample_value("specpilot_store_up") == 1
         assert registry.get_sample_value("specpilot_store_buffered_records") == 0
+        assert not (h.service.settings.data_dir / "journal.jsonl").exists()  # all stored
     finally:
         pg.allow_logins()
         asyncio.run(h.loop.shutdown())
         h.close()
+
+
+def test_decisions_made_during_an_outage_survive_a_crash(tmp_path: Path, pg: PgDatabase) -> None:
+    settings = make_settings(tmp_path, pg.url)
+    first = Harness(settings, leadership=AdvisoryLockLeader(pg.url))
+    try:
+        first.tick(1000.0)
+        pg.refuse_logins()
+        first.policy.script[CODE_LOW] = "ngram:3"
+        first.tick(1010.0)
+        assert first.loop.arms[CODE_LOW] == "ngram:3"  # decided and acted, store away
+        journal = settings.data_dir / "journal.jsonl"
+        assert journal.exists()
+    finally:
+        first.loop.leadership.release()
+        first.close()  # crash: the in-memory buffer is gone, nothing was flushed
+    pg.allow_logins()
+    second = Harness(settings, leadership=AdvisoryLockLeader(pg.url))
+    try:
+        [decision] = second.decisions()
+        assert (decision.context, decision.arm, decision.ts) == (CODE_LOW, "ngram:3", 1010.0)
+        assert second.loop.arms[CODE_LOW] == "ngram:3"
+        assert not journal.exists()
+        second.loop.journal.append(decision)  # a replay after a flush stores nothing twice
+        asyncio.run(second.loop.start())
+        assert len(second.decisions()) == 1
+    finally:
+        second.loop.leadership.release()
+        second.close()
