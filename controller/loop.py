@@ -42,7 +42,7 @@ from controller.ports import ControlPolicy, ObservationSource
 from controller.settings import Settings
 from controller.specconfig import SpecConfigError
 from controller.store.buffer import BufferedWriter
-from controller.store.db import Store, is_unavailable
+from controller.store.db import ROLLUP_BATCH, Store, is_unavailable
 from controller.store.journal import Journal
 from controller.store.leader import Leadership
 from controller.store.records import (
@@ -61,6 +61,7 @@ Clock = Callable[[], float]
 FROZEN_KEY = "frozen"
 UNKNOWN = "unknown"
 HOUSEKEEPING_EVERY_S = 60.0
+MAX_ROLLUP_BATCHES = 20
 MIN_MEASURED_REQUESTS = 3
 """Requests under a new arm before its speed-up is taken as measured."""
 
@@ -141,6 +142,7 @@ class ControlLoop:
         self.store, self.writer, self.leadership = store, writer, leadership
         self.actuators, self.metrics, self.clock = actuators, metrics, clock
         self.journal = journal
+        self._known = frozenset(fleet.contexts)
         # What the API reads (this replica's view).
         self.arms: dict[ContextKey, str] = {}
         self.actors: dict[ContextKey, Actor] = {}
@@ -350,7 +352,8 @@ class ControlLoop:
         records = [observation_record(o, edges, now) for o in observations]
         self.metrics.observations.inc(len(records))
         for record in records:
-            if record.tpot_s is not None:
+            # Only contexts the fleet serves: stray labels must not grow this without bound.
+            if record.tpot_s is not None and record.context in self._known:
                 mean = self._tpot.setdefault((record.context, record.arm), _Mean())
                 mean.total += record.tpot_s
                 mean.count += 1
@@ -480,7 +483,12 @@ class ControlLoop:
         store = self.settings.store
 
         def clean() -> None:
-            self.store.roll_up(now, store.observation_retention_s, store.rollup_period_s)
+            for _ in range(MAX_ROLLUP_BATCHES):  # bounded work per pass; the rest next time
+                moved = self.store.roll_up(
+                    now, store.observation_retention_s, store.rollup_period_s
+                )
+                if moved < ROLLUP_BATCH:
+                    break
             self.store.purge_window_stats(now - store.observation_retention_s)
 
         await self._read(clean, None)

@@ -21,7 +21,7 @@ from controller.contexts import ContextKey
 from controller.fleet import PoolConfig
 from controller.ports import Collected
 from controller.service import Service, build_service
-from controller.settings import Settings
+from controller.settings import Settings, StoreSettings
 from controller.store.db import Store
 from controller.store.leader import AdvisoryLockLeader
 from controller.store.records import OverrideRecord, Scope
@@ -362,3 +362,22 @@ def test_decisions_made_during_an_outage_survive_a_crash(tmp_path: Path, pg: PgD
     finally:
         second.loop.leadership.release()
         second.close()
+
+
+def test_old_observations_are_rolled_up_by_the_loop(tmp_path: Path) -> None:
+    base = make_settings(tmp_path)
+    settings = base.model_copy(
+        update={"store": StoreSettings(observation_retention_s=60, rollup_period_s=60)}
+    )
+    h = Harness(settings)
+    try:
+        old = tuple(observation("off", 0.02, finished_at=1000.0 + i) for i in range(5))
+        h.source.batches.append(Collected(old))
+        h.tick(1010.0)
+        assert h.store.count_observations() == 5  # still within the retention
+        h.tick(1200.0)
+        assert h.store.count_observations() == 0
+        [row] = h.store.stats(since=0.0)
+        assert (row.requests, row.mean_tpot_s) == (5, pytest.approx(0.02))
+    finally:
+        h.close()
