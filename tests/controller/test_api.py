@@ -6,6 +6,7 @@ service from the real policy engine and collectors, built elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from controller.api import create_app
 from controller.contexts import ContextKey
 from controller.service import Service, build_service
 from controller.store.records import DecisionRecord, ObservationRecord
-from tests.controller.conftest import LiveServer, make_settings
+from tests.controller.conftest import LiveServer, PgDatabase, make_settings
 from tests.controller.fakes import QueueSource, ScriptedPolicy
 
 RW, RO = "rw-secret", "ro-secret"
@@ -46,6 +47,7 @@ class Api:
         return value
 
 
+@contextlib.contextmanager
 def serve(tmp_path: Path, store_url: str | None, api: dict[str, Any]) -> Iterator[Api]:
     settings = make_settings(tmp_path, store_url, api=api)
     policy = ScriptedPolicy(settings.buckets)
@@ -62,7 +64,8 @@ def serve(tmp_path: Path, store_url: str | None, api: dict[str, Any]) -> Iterato
 
 @pytest.fixture
 def api(tmp_path: Path, store_url: str) -> Iterator[Api]:
-    yield from serve(tmp_path, store_url, {"token": RW, "read_only_tokens": [RO]})
+    with serve(tmp_path, store_url, {"token": RW, "read_only_tokens": [RO]}) as running:
+        yield running
 
 
 def test_health_and_readiness(api: Api) -> None:
@@ -84,7 +87,7 @@ def test_writes_need_the_read_write_token(api: Api) -> None:
 
 
 def test_no_token_configured_refuses_every_write(tmp_path: Path) -> None:
-    for api in serve(tmp_path, None, {}):
+    with serve(tmp_path, None, {}) as api:
         for headers in ({}, WRITE):
             response = api.client.post("/v1/overrides", json=NGRAM3, headers=headers)
             assert response.status_code in (401, 403)
@@ -243,3 +246,23 @@ def test_openapi_is_published_with_the_v1_paths(api: Api) -> None:
         "/v1/policy/unfreeze",
         "/v1/decisions",
     } <= set(paths)
+
+
+def test_store_outage_is_503_for_writes_and_not_ready(tmp_path: Path, pg: PgDatabase) -> None:
+    with serve(tmp_path, pg.url, {"token": RW}) as api:
+        api.until(lambda: api.client.get("/readyz").status_code == 200)
+        pg.refuse_logins()
+        try:
+            response = api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE)
+            assert response.status_code == 503
+            assert "store is unreachable" in response.json()["detail"]
+            ready = api.client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["checks"]["store"].startswith(
+                "unreachable"
+            )
+            assert api.client.get("/v1/policy").status_code == 200  # served from memory
+            assert api.client.get("/healthz").status_code == 200
+        finally:
+            pg.allow_logins()
+        api.until(lambda: api.client.get("/readyz").status_code == 200)
+        assert api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE).status_code == 201
