@@ -175,6 +175,7 @@ class ControlLoop:
                 raise
             self._note_store(False)
             return fallback
+        self._note_store(True)
         return value
 
     async def _write(
@@ -223,6 +224,11 @@ class ControlLoop:
         latest = self.store.latest_decisions()
         for context in self.fleet.contexts:
             decision = latest.get(context)
+            if decision is not None and decision.arm not in self.fleet.allowed_arms(context):
+                # The fleet settings changed since: start over from what the pools run.
+                log.warning("%s: stored arm %s is no longer runnable", context, decision.arm)
+                decision = None
+                self.arms.pop(context, None)
             if decision is not None:
                 self.arms[context] = decision.arm
                 self.actors[context] = decision.actor

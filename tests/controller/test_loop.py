@@ -381,3 +381,22 @@ def test_old_observations_are_rolled_up_by_the_loop(tmp_path: Path) -> None:
         assert (row.requests, row.mean_tpot_s) == (5, pytest.approx(0.02))
     finally:
         h.close()
+
+
+def test_a_stored_arm_the_fleet_no_longer_offers_is_not_restored(tmp_path: Path) -> None:
+    first = Harness(make_settings(tmp_path))
+    first.policy.script[CODE_LOW] = "tiny:3"
+    first.tick(1000.0)
+    first.close()
+    narrower = make_settings(tmp_path)
+    pool = narrower.fleet.pools["p"].model_copy(
+        update={"proposers": {"ngram": narrower.fleet.pools["p"].proposers["ngram"]}}
+    )
+    fleet = narrower.fleet.model_copy(update={"pools": {"p": pool}})
+    second = Harness(narrower.model_copy(update={"fleet": fleet}))
+    try:
+        assert second.loop.arms[CODE_LOW] == "off"  # what pool p runs, not the dropped draft
+        second.tick(1001.0)  # raises if it tried to push the unknown proposer
+        assert second.actuator.calls[-1][0][0].config is None
+    finally:
+        second.close()
