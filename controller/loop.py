@@ -238,6 +238,7 @@ class ControlLoop:
                 self.actors[context] = "policy"
                 self.changed_at[context] = -math.inf
         self.frozen = bool(self.store.get_state(FROZEN_KEY, False))
+        self.overrides = self.store.active_overrides(self.clock())
         snapshot = self.store.latest_snapshot()
         if snapshot is not None and snapshot[0] > self._loaded_snapshot_ts:
             self.policy.load_state(snapshot[1])

@@ -290,8 +290,11 @@ def test_follower_reads_and_takes_over_warm(tmp_path: Path) -> None:
         other.tpot = {"m/code/1-3|tiny:2": [0.03, 3]}
         h.store.save_snapshot(1000.5, other.state_dict())
         h.store.record_decision(h.loop._decision(CODE_LOW, _target("tiny:2"), 1000.5))
+        h.store.add_override(OverrideRecord("o", 1000.6, 2000.0, Scope(), {"method": "off"}, "r"))
         h.tick(1001.0)
         assert h.loop.arms[CODE_LOW] == "tiny:2" and h.policy.tpot == other.tpot
+        assert [o.id for o in h.loop.overrides] == ["o"]  # the follower's API shows them
+        h.store.delete_override("o", now=1001.5)
         leadership.leading = True
         h.tick(1002.0)
         assert h.decisions()[0].arm == "ngram:3" and h.decisions()[0].previous_arm == "tiny:2"
