@@ -17,11 +17,13 @@ from typing import Annotated, Any, Self
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AnyHttpUrl,
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -40,6 +42,15 @@ from controller.specconfig import (
 ENV_PREFIX = "SPECPILOT_"
 TOKEN_ENV = "SPECPILOT_API_TOKEN"
 PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+def _http_url(value: str) -> str:
+    _URL.validate_python(value)  # raises with the reason; the text itself is kept as is
+    return value
+
+
+_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+InstanceUrl = Annotated[str, AfterValidator(_http_url)]
 
 
 class _Strict(BaseModel):
@@ -97,7 +108,8 @@ class PoolSettings(_Strict):
     """A set of vLLM instances serving one model with one ``--speculative-config``."""
 
     model: str
-    instances: list[AnyHttpUrl] = Field(min_length=1)
+    instances: list[InstanceUrl] = Field(min_length=1)
+    """Base URLs of the vLLM servers, kept as written (they name the instances)."""
     speculative_config: dict[str, Any] = Field(default_factory=lambda: {"method": "off"})
     """The config the instances run now (``{"method": "off"}``: no speculation)."""
     proposers: dict[str, ProposerSettings] = Field(default_factory=dict)

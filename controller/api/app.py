@@ -151,7 +151,7 @@ def build_router() -> APIRouter:
         pools = []
         for name, pool in sorted(service.fleet.pools.items()):
             instances = []
-            for url in map(str, pool.instances):
+            for url in pool.instances:
                 window = newest.get((name, url))
                 instances.append(
                     InstanceOut(

@@ -40,6 +40,7 @@ def test_defaults_and_sqlite_in_data_dir(tmp_path: Path) -> None:
     assert settings.store_url == f"sqlite:///{tmp_path.resolve()}/specpilot.db"
     assert settings.api.token is None
     assert settings.fleet.pools["a"].speculative_config == {"method": "off"}
+    assert settings.fleet.pools["a"].instances == ["http://127.0.0.1:9"]  # kept as written
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,6 +62,10 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
     [
         (lambda d: d["fleet"]["pools"]["a"].pop("model"), "fleet.pools.a.model: Field required"),
         (lambda d: d["fleet"]["pools"]["a"].update(instances=[]), "fleet.pools.a.instances"),
+        (
+            lambda d: d["fleet"]["pools"]["a"].update(instances=["ftp://x"]),
+            "fleet.pools.a.instances.0: URL scheme should be 'http' or 'https'",
+        ),
         (
             lambda d: d["fleet"]["pools"]["a"]["proposers"]["ngram"].update(gamma=[3, 1]),
             "fleet.pools.a.proposers.ngram.gamma: need 1 <= min <= max",
