@@ -1,0 +1,1 @@
+"""Actuators: how a decision reaches the fleet."""

@@ -1,0 +1,5 @@
+"""specpilot's REST API (FastAPI)."""
+
+from controller.api.app import create_app
+
+__all__ = ["create_app"]

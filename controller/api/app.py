@@ -1,0 +1,431 @@
+"""specpilot's REST API, built by ``create_app`` (nothing is built at import time).
+
+Reads are open; writes (overrides, freeze) need ``Authorization: Bearer <token>`` with
+the read-write token: none sent → 401, a read-only token → 403, and with no read-write
+token configured every write is refused (403), never open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from controller.api.schemas import (
+    ContextPolicyOut,
+    DecisionOut,
+    DecisionPageOut,
+    ErrorOut,
+    EstimateOut,
+    FleetOut,
+    FrozenOut,
+    HealthOut,
+    InstanceOut,
+    Interval,
+    OverrideIn,
+    OverrideList,
+    OverrideOut,
+    PolicyOut,
+    PoolOut,
+    ScopeBody,
+    StatsOut,
+    StatsRowOut,
+)
+from controller.contexts import WILDCARD
+from controller.loop import FROZEN_KEY
+from controller.ports import ArmEstimate
+from controller.service import Service
+from controller.settings import Settings
+from controller.specconfig import SpecConfigError
+from controller.store.db import is_unavailable
+from controller.store.records import OverrideRecord, Scope
+
+MAX_ID = 2**63 - 1
+NO_NUL = r"^[^\x00]*$"
+"""PostgreSQL text cannot hold NUL; a filter with one would be a 500 instead of a 422."""
+STORE_DOWN = "the store is unreachable; try again"
+READ_RESPONSES: dict[int | str, dict[str, Any]] = {
+    503: {"model": ErrorOut, "description": "the store is unreachable"},
+}
+WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "no or unknown bearer token"},
+    403: {"model": ErrorOut, "description": "read-only token, or writes disabled"},
+    503: {"model": ErrorOut, "description": "the store is unreachable"},
+}
+
+
+def get_service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]
+bearer = HTTPBearer(auto_error=False, description="read-write token for writes")
+
+
+def require_writer(
+    service: ServiceDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> None:
+    if credentials is None:
+        raise HTTPException(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+    sent = credentials.credentials.encode()
+    api = service.settings.api
+    if api.token is not None and hmac.compare_digest(sent, api.token.get_secret_value().encode()):
+        return
+    if any(hmac.compare_digest(sent, t.get_secret_value().encode()) for t in api.read_only_tokens):
+        raise HTTPException(403, "this token is read-only")
+    if api.token is None:
+        raise HTTPException(403, "writes are disabled: no read-write token is configured")
+    raise HTTPException(401, "unknown token", {"WWW-Authenticate": "Bearer"})
+
+
+Writer = Annotated[None, Depends(require_writer)]
+
+
+async def store_call(call: Callable[[], Any]) -> Any:
+    """Run a store call off the event loop; an outage becomes 503, not 500."""
+    try:
+        return await run_in_threadpool(call)
+    except Exception as exc:
+        if is_unavailable(exc):
+            raise HTTPException(503, STORE_DOWN) from exc
+        raise
+
+
+def _estimate(estimate: ArmEstimate) -> EstimateOut:
+    def interval(pair: tuple[float, float] | None) -> Interval | None:
+        return None if pair is None else Interval(low=pair[0], high=pair[1])
+
+    return EstimateOut(
+        arm=estimate.arm,
+        acceptance=estimate.acceptance,
+        acceptance_interval=interval(estimate.acceptance_interval),
+        speedup=estimate.speedup,
+        speedup_interval=interval(estimate.speedup_interval),
+        observations=estimate.observations,
+    )
+
+
+def _override_out(service: Service, override: OverrideRecord) -> OverrideOut:
+    contexts = [c for c in service.fleet.contexts if override.scope.matches(c)]
+    try:
+        arm: str | None = service.fleet.resolve_override(override.config, contexts)
+    except SpecConfigError:
+        arm = None
+    return OverrideOut(
+        id=override.id,
+        scope=ScopeBody.model_validate(
+            {
+                "model": override.scope.model,
+                "class": override.scope.workload_class,
+                "bucket": override.scope.bucket,
+            }
+        ),
+        config=override.config,
+        arm=arm,
+        reason=override.reason,
+        created_at=override.created_at,
+        expires_at=override.expires_at,
+    )
+
+
+def build_router() -> APIRouter:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/fleet", response_model=FleetOut, responses=READ_RESPONSES)
+    async def fleet(service: ServiceDep) -> FleetOut:
+        loop = service.loop
+        windows = (
+            await store_call(service.store.latest_window_stats) if loop.store_reachable else []
+        )
+        newest = {(w.pool, w.instance): w for w in windows}
+        pools = []
+        for name, pool in sorted(service.fleet.pools.items()):
+            instances = []
+            for url in pool.instances:
+                window = newest.get((name, url))
+                instances.append(
+                    InstanceOut(
+                        url=url,
+                        healthy=window.healthy if window else None,
+                        last_window_at=window.ts if window else None,
+                        acceptance_rate=window.acceptance_rate if window else None,
+                        mean_acceptance_length=window.mean_acceptance_length if window else None,
+                    )
+                )
+            pools.append(
+                PoolOut(
+                    name=name,
+                    model=pool.model,
+                    classes=pool.classes or list(service.settings.classes),
+                    proposers=[p.name for p in pool.proposer_list()],
+                    running_config=pool.speculative_config,
+                    effective_config=service.fleet.pool_config(name, loop.arms).config,
+                    instances=instances,
+                )
+            )
+        return FleetOut(leader=loop.is_leader, frozen=loop.frozen, pools=pools)
+
+    @v1.get("/policy", response_model=PolicyOut, response_model_by_alias=True)
+    async def policy(service: ServiceDep) -> PolicyOut:
+        loop, now = service.loop, service.clock()
+        pins: dict[Any, OverrideRecord] = {}
+        for override in sorted(loop.overrides, key=lambda o: (o.scope.specificity, o.created_at)):
+            if override.active(now):
+                for context in service.fleet.contexts:
+                    if override.scope.matches(context):
+                        pins[context] = override
+        contexts = []
+        for context in service.fleet.contexts:
+            arm = loop.arms.get(context) or service.fleet.running_arm(context)
+            estimates = [_estimate(e) for e in service.policy.estimates(context)]
+            changed = loop.changed_at.get(context)
+            contexts.append(
+                ContextPolicyOut(
+                    model=context.model,
+                    workload_class=context.workload_class,
+                    bucket=context.bucket,
+                    arm=arm,
+                    actor=loop.actors.get(context, "policy"),
+                    changed_at=changed if changed is not None and changed > 0 else None,
+                    override_id=pins[context].id if context in pins else None,
+                    estimate=next((e for e in estimates if e.arm == arm), None),
+                    estimates=estimates,
+                )
+            )
+        return PolicyOut(frozen=loop.frozen, leader=loop.is_leader, contexts=contexts)
+
+    @v1.get(
+        "/stats", response_model=StatsOut, response_model_by_alias=True, responses=READ_RESPONSES
+    )
+    async def stats(
+        service: ServiceDep,
+        model: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
+        workload_class: Annotated[
+            str | None, Query(alias="class", max_length=200, pattern=NO_NUL)
+        ] = None,
+        window_s: Annotated[float, Query(gt=0, le=366 * 24 * 3600, allow_inf_nan=False)] = 3600,
+    ) -> StatsOut:
+        since = service.clock() - window_s
+        rows = await store_call(
+            lambda: service.store.stats(since, model=model, workload_class=workload_class)
+        )
+        return StatsOut(
+            since=since,
+            window_s=window_s,
+            rows=[
+                StatsRowOut(
+                    model=r.context.model,
+                    workload_class=r.context.workload_class,
+                    bucket=r.context.bucket,
+                    arm=r.arm,
+                    requests=r.requests,
+                    output_tokens=r.output_tokens,
+                    acceptance_rate=r.acceptance_rate,
+                    emitted_tokens_per_verify=r.mean_acceptance_length,
+                    mean_tpot_s=r.mean_tpot_s,
+                    mean_ttft_s=r.mean_ttft_s,
+                )
+                for r in rows
+            ],
+        )
+
+    @v1.get(
+        "/overrides",
+        response_model=OverrideList,
+        response_model_by_alias=True,
+        responses=READ_RESPONSES,
+    )
+    async def list_overrides(service: ServiceDep) -> OverrideList:
+        now = service.clock()
+        overrides = await store_call(lambda: service.store.active_overrides(now))
+        return OverrideList(overrides=[_override_out(service, o) for o in overrides])
+
+    @v1.post(
+        "/overrides",
+        status_code=201,
+        response_model=OverrideOut,
+        response_model_by_alias=True,
+        responses={**WRITE_RESPONSES, 422: {"description": "the fleet cannot run it"}},
+    )
+    async def create_override(service: ServiceDep, _: Writer, body: OverrideIn) -> OverrideOut:
+        scope = Scope(body.scope.model, body.scope.workload_class, body.scope.bucket)
+        for field, value, known in (
+            ("model", scope.model, service.settings.models),
+            ("class", scope.workload_class, service.settings.classes),
+            ("bucket", scope.bucket, service.settings.bucket_labels),
+        ):
+            if value != WILDCARD and value not in known:
+                raise HTTPException(
+                    422, f"scope.{field}: unknown {field} {value!r} (known: {', '.join(known)})"
+                )
+        contexts = [c for c in service.fleet.contexts if scope.matches(c)]
+        try:
+            service.fleet.resolve_override(body.config, contexts)
+        except SpecConfigError as exc:
+            raise HTTPException(422, f"config: {exc}") from None
+        now = service.clock()
+        override = OverrideRecord(
+            id=str(uuid.uuid4()),
+            created_at=now,
+            expires_at=now + body.ttl_s,
+            scope=scope,
+            config=dict(body.config),
+            reason=body.reason,
+        )
+        await store_call(lambda: service.store.add_override(override))  # durable before 201
+        service.loop.wake()
+        return _override_out(service, override)
+
+    @v1.delete(
+        "/overrides/{override_id}",
+        status_code=204,
+        responses={**WRITE_RESPONSES, 404: {"model": ErrorOut, "description": "no such override"}},
+    )
+    async def delete_override(
+        service: ServiceDep,
+        _: Writer,
+        override_id: Annotated[str, Path(max_length=36, pattern=NO_NUL)],
+    ) -> Response:
+        now = service.clock()
+        if not await store_call(lambda: service.store.delete_override(override_id, now)):
+            raise HTTPException(404, f"no active override {override_id!r}")
+        service.loop.wake()
+        return Response(status_code=204)
+
+    async def set_frozen(service: Service, frozen: bool) -> FrozenOut:
+        now = service.clock()
+        await store_call(lambda: service.store.set_state(FROZEN_KEY, frozen, now))
+        service.loop.frozen = frozen
+        service.metrics.frozen.set(1 if frozen else 0)
+        service.loop.wake()
+        return FrozenOut(frozen=frozen)
+
+    @v1.post("/policy/freeze", response_model=FrozenOut, responses=WRITE_RESPONSES)
+    async def freeze(service: ServiceDep, _: Writer) -> FrozenOut:
+        return await set_frozen(service, True)
+
+    @v1.post("/policy/unfreeze", response_model=FrozenOut, responses=WRITE_RESPONSES)
+    async def unfreeze(service: ServiceDep, _: Writer) -> FrozenOut:
+        return await set_frozen(service, False)
+
+    @v1.get(
+        "/decisions",
+        response_model=DecisionPageOut,
+        response_model_by_alias=True,
+        responses=READ_RESPONSES,
+    )
+    async def decisions(
+        service: ServiceDep,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
+        model: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
+        workload_class: Annotated[
+            str | None, Query(alias="class", max_length=200, pattern=NO_NUL)
+        ] = None,
+        bucket: Annotated[str | None, Query(max_length=32, pattern=NO_NUL)] = None,
+    ) -> DecisionPageOut:
+        page = await store_call(
+            lambda: service.store.decisions(
+                limit=limit,
+                before=before,
+                model=model,
+                workload_class=workload_class,
+                bucket=bucket,
+            )
+        )
+        return DecisionPageOut(
+            decisions=[
+                DecisionOut(
+                    id=d.id or 0,
+                    ts=d.ts,
+                    model=d.context.model,
+                    workload_class=d.context.workload_class,
+                    bucket=d.context.bucket,
+                    arm=d.arm,
+                    previous_arm=d.previous_arm,
+                    reason=d.reason,
+                    actor=d.actor,
+                    predicted_speedup=d.predicted_speedup,
+                    measured_speedup=d.measured_speedup,
+                )
+                for d in page.decisions
+            ],
+            next_before=page.next_before,
+        )
+
+    return v1
+
+
+def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -> FastAPI:
+    """The API over ``service``; with ``run_loop`` its lifespan also runs the control
+    loop (restore on start, clean shutdown — snapshot and flush — on stop)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not run_loop:
+            yield
+            return
+        await service.loop.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(service.loop.run(stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+    app = FastAPI(
+        title="specpilot",
+        version="1",
+        description="Speculative-decoding control for vLLM fleets.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.settings = settings
+
+    @app.middleware("http")
+    async def count_requests(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        service.metrics.api_requests.labels(request.method, path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/healthz", response_model=HealthOut)
+    async def healthz() -> HealthOut:
+        return HealthOut(status="ok")
+
+    @app.get("/readyz", response_model=HealthOut, responses={503: {"model": HealthOut}})
+    async def readyz(response: Response) -> HealthOut:
+        checks = {}
+        try:
+            await run_in_threadpool(service.store.ping)
+            checks["store"] = "ok"
+        except Exception as exc:
+            checks["store"] = f"unreachable: {type(exc).__name__}"
+        loop = service.loop
+        checks["loop"] = "ok" if loop.last_tick_at is not None else "not started"
+        checks["role"] = "leader" if loop.is_leader else "follower"
+        ready = checks["store"] == "ok" and checks["loop"] == "ok"
+        if not ready:
+            response.status_code = 503
+        return HealthOut(status="ready" if ready else "not ready", checks=checks)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(build_router())
+    return app

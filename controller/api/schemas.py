@@ -1,0 +1,174 @@
+"""Request and response bodies of the REST API (they make the published OpenAPI).
+
+Times are seconds since the epoch; speed-ups are ratios of tokens per second over no
+speculation; acceptance is a 0-1 ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# No NUL: PostgreSQL text cannot hold it, and no name or reason needs it.
+Text = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00]*$")]
+LongText = Annotated[str, StringConstraints(min_length=1, max_length=2000, pattern=r"^[^\x00]*$")]
+
+
+class ScopeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: Text = "*"
+    workload_class: Text = Field(default="*", alias="class")
+    bucket: Text = "*"
+
+
+class OverrideIn(BaseModel):
+    """Pin a config (or ``{"method": "off"}``) for every context in ``scope``."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "scope": {"model": "*", "class": "code", "bucket": "*"},
+                    "config": {"method": "ngram", "num_speculative_tokens": 3},
+                    "ttl_s": 600,
+                    "reason": "incident 42",
+                }
+            ]
+        },
+    )
+
+    scope: ScopeBody
+    config: dict[str, Any]
+    ttl_s: float = Field(gt=0, le=366 * 24 * 3600, allow_inf_nan=False)
+    reason: LongText
+
+
+class OverrideOut(BaseModel):
+    id: str
+    scope: ScopeBody
+    config: dict[str, Any]
+    arm: str | None
+    """The arm the config means on the fleet; None if the fleet can no longer run it."""
+    reason: str
+    created_at: float
+    expires_at: float
+
+
+class OverrideList(BaseModel):
+    overrides: list[OverrideOut]
+
+
+class DecisionOut(BaseModel):
+    id: int
+    ts: float
+    model: str
+    workload_class: str = Field(serialization_alias="class")
+    bucket: str
+    arm: str
+    previous_arm: str | None
+    reason: str
+    actor: Literal["policy", "operator"]
+    predicted_speedup: float | None
+    measured_speedup: float | None
+
+
+class DecisionPageOut(BaseModel):
+    decisions: list[DecisionOut]
+    next_before: int | None
+    """Pass as ``before`` to get the next (older) page; null on the last page."""
+
+
+class Interval(BaseModel):
+    low: float
+    high: float
+
+
+class EstimateOut(BaseModel):
+    arm: str
+    acceptance: float | None
+    acceptance_interval: Interval | None
+    speedup: float | None
+    speedup_interval: Interval | None
+    observations: int
+
+
+class ContextPolicyOut(BaseModel):
+    model: str
+    workload_class: str = Field(serialization_alias="class")
+    bucket: str
+    arm: str
+    actor: Literal["policy", "operator"]
+    changed_at: float | None
+    """When the arm last changed; null if it never did under specpilot."""
+    override_id: str | None
+    estimate: EstimateOut | None
+    """The policy's belief about the chosen arm."""
+    estimates: list[EstimateOut]
+
+
+class PolicyOut(BaseModel):
+    frozen: bool
+    leader: bool
+    contexts: list[ContextPolicyOut]
+
+
+class FrozenOut(BaseModel):
+    frozen: bool
+
+
+class InstanceOut(BaseModel):
+    url: str
+    healthy: bool | None
+    """From the newest window its metrics gave; null before the first."""
+    last_window_at: float | None
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+
+
+class PoolOut(BaseModel):
+    name: str
+    model: str
+    classes: list[str]
+    proposers: list[str]
+    running_config: dict[str, Any]
+    """What the settings say the instances were started with."""
+    effective_config: dict[str, Any] | None
+    """What specpilot wants them to run now (null: no speculation)."""
+    instances: list[InstanceOut]
+
+
+class FleetOut(BaseModel):
+    leader: bool
+    frozen: bool
+    pools: list[PoolOut]
+
+
+class StatsRowOut(BaseModel):
+    model: str
+    workload_class: str = Field(serialization_alias="class")
+    bucket: str
+    arm: str
+    requests: int
+    output_tokens: int
+    acceptance_rate: float | None
+    emitted_tokens_per_verify: float | None
+    mean_tpot_s: float | None
+    mean_ttft_s: float | None
+
+
+class StatsOut(BaseModel):
+    since: float
+    window_s: float
+    rows: list[StatsRowOut]
+
+
+class HealthOut(BaseModel):
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)
+
+
+class ErrorOut(BaseModel):
+    detail: str

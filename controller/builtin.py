@@ -1,0 +1,66 @@
+"""What ``serve`` runs when the settings wire no policy or collector.
+
+``HoldPolicy`` keeps every context on the config its pools run (operators can still
+override); ``NoObservations`` collects nothing. They let the service, its API and its
+overrides run before the real policy and collectors are wired in through
+``settings.wiring``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from collectors.observations import RequestObservation
+from controller.contexts import ContextKey
+from controller.ports import ArmChoice, ArmEstimate, Collected, ControlPolicy, ObservationSource
+from controller.settings import Settings
+
+
+class HoldPolicy:
+    def observe(self, observation: RequestObservation) -> None:
+        pass
+
+    def decide(self, context: ContextKey, allowed_arms: Sequence[str], current: str) -> ArmChoice:
+        return ArmChoice(current, "hold: no policy wired")
+
+    def set_pins(self, pins: Mapping[ContextKey, str]) -> None:
+        pass
+
+    def estimates(self, context: ContextKey) -> Sequence[ArmEstimate]:
+        return ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class NoObservations:
+    async def collect(self) -> Collected:
+        return Collected()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def load_factory(path: str) -> Any:
+    """``"package.module:name"`` → the object (already validated in the settings)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def policy_from(settings: Settings) -> ControlPolicy:
+    if settings.wiring.policy is None:
+        return HoldPolicy()
+    policy: ControlPolicy = load_factory(settings.wiring.policy)(settings)
+    return policy
+
+
+def source_from(settings: Settings) -> ObservationSource:
+    if settings.wiring.collector is None:
+        return NoObservations()
+    source: ObservationSource = load_factory(settings.wiring.collector)(settings)
+    return source

@@ -1,0 +1,55 @@
+"""``specpilot config check FILE`` and ``specpilot serve --config FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from controller.settings import Settings, SettingsError, load_settings, summary
+
+
+def register(subparsers: Any) -> None:
+    config = subparsers.add_parser("config", help="work with specpilot settings files")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = config_sub.add_parser(
+        "check", help="validate a settings file (with the environment) without starting anything"
+    )
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=config_check)
+
+    serve = subparsers.add_parser("serve", help="run the control loop and the REST API")
+    serve.add_argument("--config", type=Path, required=True, help="settings YAML file")
+    serve.set_defaults(func=serve_command)
+
+
+def _load_or_report(path: Path) -> Settings | None:
+    """The settings, or None after printing one ``error: key: problem`` line per error."""
+    try:
+        return load_settings(path)
+    except SettingsError as exc:
+        for line in exc.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return None
+
+
+def config_check(args: argparse.Namespace) -> int:
+    """Exit 0 with a summary, or 2 with one line per error naming the key."""
+    settings = _load_or_report(args.file)
+    if settings is None:
+        return 2
+    print(f"{args.file}: OK")
+    for line in summary(settings):
+        print(f"  {line}")
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from controller.serve import serve  # the service stack loads only when it is run
+
+    settings = _load_or_report(args.config)
+    if settings is None:
+        return 2
+    code: int = serve(settings)
+    return code

@@ -1,0 +1,150 @@
+"""The fleet as the controller reasons about it: which pools serve a context, which
+arms a context may run, and each pool's effective ``--speculative-config``.
+
+One ``--speculative-config`` per pool: a pool takes its config from the decisions of
+its primary class (the first it serves) across the concurrency buckets. Decode batch
+size tracks concurrency, so per-bucket choices of one proposer become vLLM's
+``num_speculative_tokens_per_batch_size`` table (γ by batch size, 0 = off). When buckets
+want different proposers, the proposer chosen in the most buckets wins (ties: the one
+chosen at the lowest concurrency, where speculation pays most) and the other buckets
+run with γ = 0 there; routing each class to its own pool is the gateway's job.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from controller.contexts import ContextKey, bucket_range
+from controller.settings import PoolSettings, Settings
+from controller.specconfig import (
+    OFF,
+    SpecConfigError,
+    arm_config,
+    check_vllm_schema,
+    parse_arm,
+    resolve_on_pool,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A pool's effective speculative config: None runs without speculation."""
+
+    pool: str
+    config: dict[str, Any] | None
+    arms_by_bucket: tuple[tuple[str, str], ...]
+
+
+class Fleet:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pools: Mapping[str, PoolSettings] = settings.fleet.pools
+        self.contexts: tuple[ContextKey, ...] = tuple(
+            ContextKey(model, cls, bucket)
+            for model in settings.models
+            for cls in settings.classes
+            if self.pools_for(model, cls)
+            for bucket in settings.bucket_labels
+        )
+
+    def serves(self, pool: PoolSettings, workload_class: str) -> bool:
+        return pool.classes is None or workload_class in pool.classes
+
+    def primary_class(self, pool: PoolSettings) -> str:
+        return (pool.classes or self.settings.classes)[0]
+
+    def pools_for(self, model: str, workload_class: str) -> tuple[str, ...]:
+        return tuple(
+            name
+            for name, pool in sorted(self.pools.items())
+            if pool.model == model and self.serves(pool, workload_class)
+        )
+
+    def allowed_arms(self, context: ContextKey) -> tuple[str, ...]:
+        """Arms every pool serving the context can run (off always)."""
+        per_pool = [
+            {
+                f"{p.name}:{g}"
+                for p in self.pools[name].proposer_list()
+                for g in range(p.gamma_min, p.gamma_max + 1)
+            }
+            for name in self.pools_for(context.model, context.workload_class)
+        ]
+        common = set.intersection(*per_pool) if per_pool else set()
+        return (OFF, *sorted(common, key=_arm_order))
+
+    def running_arm(self, context: ContextKey) -> str:
+        """The arm the context's first pool runs according to the settings."""
+        names = self.pools_for(context.model, context.workload_class)
+        if not names:
+            return OFF
+        pool = self.pools[names[0]]
+        return resolve_on_pool(
+            pool.speculative_config, names[0], pool.proposer_list(), pinnable=False
+        )
+
+    def resolve_override(self, config: Mapping[str, Any], contexts: Sequence[ContextKey]) -> str:
+        """The arm an operator's config means on every pool serving these contexts.
+
+        Raises ``SpecConfigError`` with the reason when a pool cannot run it, when the
+        pools disagree on the arm, or when the scope matches nothing.
+        """
+        if not contexts:
+            raise SpecConfigError("the scope matches no context the fleet serves")
+        arms = set()
+        for model, cls in sorted({(c.model, c.workload_class) for c in contexts}):
+            for name in self.pools_for(model, cls):
+                pool = self.pools[name]
+                arms.add(resolve_on_pool(config, name, pool.proposer_list(), pinnable=True))
+        if len(arms) != 1:
+            raise SpecConfigError(
+                f"the scope spans pools that name this config differently ({sorted(arms)}): "
+                "narrow the scope to one model"
+            )
+        return arms.pop()
+
+    def pool_config(self, name: str, arms: Mapping[ContextKey, str]) -> PoolConfig:
+        """The config pool ``name`` should run given every context's effective arm."""
+        pool = self.pools[name]
+        cls = self.primary_class(pool)
+        by_bucket = [
+            (bucket, arms.get(ContextKey(pool.model, cls, bucket), OFF))
+            for bucket in self.settings.bucket_labels
+        ]
+        parsed = [(bucket, parse_arm(arm)) for bucket, arm in by_bucket]
+        chosen = [p for _, p in parsed if p is not None]
+        if not chosen:
+            return PoolConfig(name, None, tuple(by_bucket))
+        votes = Counter(proposer for proposer, _ in chosen)
+        first_seen = {proposer: i for i, (proposer, _) in reversed(list(enumerate(chosen)))}
+        winner = max(votes, key=lambda p: (votes[p], -first_seen[p]))
+        gammas = [(bucket, p[1] if p is not None and p[0] == winner else 0) for bucket, p in parsed]
+        top = max(g for _, g in gammas)
+        config = arm_config(f"{winner}:{top}", pool.proposer_list())
+        assert config is not None
+        if any(g != top for _, g in gammas):
+            config["num_speculative_tokens_per_batch_size"] = [
+                [*bucket_range(bucket, self.settings.buckets, pool.max_num_seqs), g]
+                for bucket, g in gammas
+                if bucket_range(bucket, self.settings.buckets, pool.max_num_seqs)[0]
+                <= pool.max_num_seqs
+            ]
+        check_vllm_schema(config)
+        return PoolConfig(name, config, tuple(by_bucket))
+
+    def pools_of(self, contexts: Sequence[ContextKey]) -> tuple[str, ...]:
+        """Pools whose effective config depends on any of these contexts."""
+        names = set()
+        for context in contexts:
+            for name in self.pools_for(context.model, context.workload_class):
+                if self.primary_class(self.pools[name]) == context.workload_class:
+                    names.add(name)
+        return tuple(sorted(names))
+
+
+def _arm_order(arm: str) -> tuple[str, int]:
+    parsed = parse_arm(arm)
+    return ("", 0) if parsed is None else parsed

@@ -1,0 +1,83 @@
+"""What the control loop needs from the policy engine and from the collectors.
+
+The controller depends on these narrow Protocols only, so the real policy
+(``policies/``) and the real collectors (``collectors/``) plug in through small
+adapters built where the service is wired (``controller.service.build_service``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from collectors.observations import RequestObservation
+from controller.contexts import ContextKey
+from controller.store.records import WindowStatRecord
+
+
+@dataclass(frozen=True, slots=True)
+class ArmChoice:
+    """What the policy wants a context to run, and why."""
+
+    arm: str
+    """``"<proposer>:<γ>"`` or ``"off"``."""
+    reason: str
+    predicted_speedup: float | None = None
+    """Expected tokens/s relative to no speculation (> 1 is faster)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArmEstimate:
+    """The policy's current belief about one arm in one context, with uncertainty
+    (an interval the policy considers likely, e.g. 90 %)."""
+
+    arm: str
+    acceptance: float | None
+    acceptance_interval: tuple[float, float] | None
+    speedup: float | None
+    speedup_interval: tuple[float, float] | None
+    observations: int
+
+
+class ControlPolicy(Protocol):
+    def observe(self, observation: RequestObservation) -> None:
+        """Learn from one finished request."""
+        ...
+
+    def decide(self, context: ContextKey, allowed_arms: Sequence[str], current: str) -> ArmChoice:
+        """The arm this context should run now, among ``allowed_arms``; ``current`` runs now."""
+        ...
+
+    def set_pins(self, pins: Mapping[ContextKey, str]) -> None:
+        """Contexts an operator pinned, and to which arm: the policy does not choose there
+        (and should not count on exploring there) until the pin is gone."""
+        ...
+
+    def estimates(self, context: ContextKey) -> Sequence[ArmEstimate]:
+        """What the policy believes about each arm of this context (may be empty)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The learned state as plain JSON values, for snapshots."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a snapshot made by ``state_dict``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """What the collectors saw since the previous call."""
+
+    observations: Sequence[RequestObservation] = ()
+    windows: Sequence[WindowStatRecord] = field(default_factory=tuple)
+
+
+class ObservationSource(Protocol):
+    async def collect(self) -> Collected:
+        """Everything new since the last call (per-request observations, window stats)."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,350 @@
+"""specpilot's settings: one YAML file plus ``SPECPILOT_*`` environment overrides.
+
+Environment variables win over the file; nested keys use ``__``
+(``SPECPILOT_STORE__URL``, ``SPECPILOT_FLEET__POOLS__CHAT__MODEL``), and
+``SPECPILOT_API_TOKEN`` sets the read-write API token. Everything is validated when
+loaded: ``load_settings`` raises ``SettingsError`` with one line per problem, each
+naming the key (``fleet.pools.chat.proposers.ngram.gamma: ...``). Times are seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from controller.contexts import bucket_labels
+from controller.specconfig import (
+    VLLM_METHODS,
+    Proposer,
+    SpecConfigError,
+    check_vllm_schema,
+    resolve_on_pool,
+)
+
+ENV_PREFIX = "SPECPILOT_"
+TOKEN_ENV = "SPECPILOT_API_TOKEN"
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+def _http_url(value: str) -> str:
+    _URL.validate_python(value)  # raises with the reason; the text itself is kept as is
+    return value
+
+
+_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+InstanceUrl = Annotated[str, AfterValidator(_http_url)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProposerSettings(_Strict):
+    """One way a pool can draft. ``tuning`` holds the other vLLM keys it runs with."""
+
+    method: str
+    model: str | None = None
+    gamma: tuple[int, int] = (1, 5)
+    """Inclusive range of γ (num_speculative_tokens) the policy may choose."""
+    tuning: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in VLLM_METHODS:
+            raise ValueError(
+                f"unknown method {method!r} (known: {', '.join(sorted(VLLM_METHODS))})"
+            )
+        return method
+
+    @field_validator("gamma")
+    @classmethod
+    def _gamma_range(cls, gamma: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= gamma[0] <= gamma[1]:
+            raise ValueError(f"need 1 <= min <= max, got {list(gamma)}")
+        return gamma
+
+    @model_validator(mode="after")
+    def _valid_for_vllm(self) -> Self:
+        overlap = set(self.tuning) & {"method", "model", "num_speculative_tokens"}
+        if overlap:
+            raise ValueError(f"tuning cannot set {sorted(overlap)}: they are fields here")
+        try:
+            check_vllm_schema(self.as_proposer("_").config(self.gamma[1]))
+        except SpecConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def as_proposer(self, name: str) -> Proposer:
+        return Proposer(
+            name=name,
+            method=self.method,
+            gamma_min=self.gamma[0],
+            gamma_max=self.gamma[1],
+            model=self.model,
+            tuning=tuple(sorted(self.tuning.items())),
+        )
+
+
+class PoolSettings(_Strict):
+    """A set of vLLM instances serving one model with one ``--speculative-config``."""
+
+    model: str
+    instances: list[InstanceUrl] = Field(min_length=1)
+    """Base URLs of the vLLM servers, kept as written (they name the instances)."""
+    speculative_config: dict[str, Any] = Field(default_factory=lambda: {"method": "off"})
+    """The config the instances run now (``{"method": "off"}``: no speculation)."""
+    proposers: dict[str, ProposerSettings] = Field(default_factory=dict)
+    classes: list[str] | None = None
+    """Workload classes this pool serves, the first being the one whose decisions set its
+    config (one config per pool; routing by class is the gateway's job). None: all."""
+    max_num_seqs: int = Field(default=256, ge=1)
+    """vLLM's batch-size cap, the upper end of the open concurrency bucket."""
+
+    @field_validator("proposers")
+    @classmethod
+    def _proposer_names(cls, proposers: dict[str, ProposerSettings]) -> dict[str, Any]:
+        for name in proposers:
+            if not name or ":" in name or name == "off":
+                raise ValueError(f"invalid proposer name {name!r} (no ':', not 'off')")
+        return proposers
+
+    def proposer_list(self) -> tuple[Proposer, ...]:
+        return tuple(spec.as_proposer(name) for name, spec in sorted(self.proposers.items()))
+
+
+class FleetSettings(_Strict):
+    pools: dict[str, PoolSettings] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _running_configs_runnable(self) -> Self:
+        for name, pool in self.pools.items():
+            try:
+                resolve_on_pool(pool.speculative_config, name, pool.proposer_list(), pinnable=False)
+            except SpecConfigError as exc:
+                raise ValueError(f"@pools.{name}.speculative_config: {exc}") from None
+        return self
+
+
+class StoreSettings(_Strict):
+    url: str | None = None
+    """SQLAlchemy URL; None: SQLite file ``specpilot.db`` in the data directory."""
+    observation_retention_s: PositiveSeconds = 24 * 3600.0
+    """Raw per-request observations older than this are rolled up, then deleted."""
+    rollup_period_s: PositiveSeconds = 3600.0
+    write_buffer_max: int = Field(default=10_000, ge=1)
+    """Records held in memory while the database is unreachable; oldest observations go first."""
+    snapshot_interval_s: float = Field(default=0.0, ge=0)
+    """How often the learned policy state is saved; 0: every loop interval, so a crash
+    loses at most one interval of learning. Always saved on shutdown."""
+
+
+class ApiSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    token: SecretStr | None = None
+    """Read-write bearer token; none configured means every write is refused."""
+    read_only_tokens: list[SecretStr] = Field(default_factory=list)
+
+
+class PolicySettings(_Strict):
+    name: str = "bandit"
+    min_dwell_s: float = Field(default=60.0, ge=0)
+    """Guard rail: a context's arm changes at most once per this many seconds."""
+    measure_after_s: float = Field(default=60.0, ge=0)
+    """Time under a new arm before its speed-up is measured against the previous one."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the policy as is (exploration, priors, ...)."""
+
+
+class WiringSettings(_Strict):
+    """Where the policy and the collectors come from: ``"package.module:factory"``, a
+    callable taking the ``Settings``. None: the built-ins of ``controller.builtin``."""
+
+    policy: str | None = None
+    collector: str | None = None
+
+    @field_validator("policy", "collector")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is not None:
+            module, sep, attr = value.partition(":")
+            if not sep or not module or not attr.isidentifier():
+                raise ValueError(f"expected 'package.module:factory', got {value!r}")
+        return value
+
+
+class LeaderSettings(_Strict):
+    check_interval_s: PositiveSeconds = 1.0
+    """How often a follower tries to become leader and the leader checks its lock."""
+
+
+class ActuatorSettings(_Strict):
+    file_dir: Path | None = None
+    """Where each pool's ``<pool>.json`` goes; None: ``<data_dir>/speculative-configs``."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    data_dir: Path = Path("specpilot-data")
+    fleet: FleetSettings
+    store: StoreSettings = StoreSettings()
+    api: ApiSettings = ApiSettings()
+    scrape_interval_s: PositiveSeconds = 15.0
+    policy: PolicySettings = PolicySettings()
+    leader: LeaderSettings = LeaderSettings()
+    actuators: ActuatorSettings = ActuatorSettings()
+    wiring: WiringSettings = WiringSettings()
+    buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    """Inclusive lower edges of the concurrency buckets, starting at 1."""
+    classes: list[str] = Field(default_factory=lambda: ["code", "chat", "rag", "creative"])
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file arrives as init values; the environment must win over it.
+        return env_settings, init_settings
+
+    @field_validator("buckets")
+    @classmethod
+    def _edges(cls, edges: list[int]) -> list[int]:
+        if not edges or edges[0] != 1:
+            raise ValueError("bucket edges must start at 1")
+        if any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError(f"bucket edges must increase strictly: {edges}")
+        return edges
+
+    @field_validator("classes")
+    @classmethod
+    def _classes(cls, classes: list[str]) -> list[str]:
+        if not classes or len(set(classes)) != len(classes) or "*" in classes:
+            raise ValueError("need one or more distinct class names ('*' is reserved)")
+        return classes
+
+    @model_validator(mode="after")
+    def _pool_classes_known(self) -> Self:
+        for name, pool in self.fleet.pools.items():
+            unknown = set(pool.classes or ()) - set(self.classes)
+            if unknown:
+                raise ValueError(f"@fleet.pools.{name}.classes: unknown classes {sorted(unknown)}")
+        return self
+
+    @property
+    def store_url(self) -> str:
+        return self.store.url or f"sqlite:///{(self.data_dir / 'specpilot.db').resolve()}"
+
+    @property
+    def actuator_dir(self) -> Path:
+        return self.actuators.file_dir or self.data_dir / "speculative-configs"
+
+    @property
+    def bucket_labels(self) -> tuple[str, ...]:
+        return bucket_labels(self.buckets)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted({pool.model for pool in self.fleet.pools.values()}))
+
+
+class SettingsError(Exception):
+    """Settings that cannot be used; ``problems`` has one line per error, naming the key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def format_errors(error: ValidationError) -> list[str]:
+    """One ``key.path: problem`` line per error. A cross-field validator names the key it
+    is about with a leading ``@sub.key: `` (relative to where it runs)."""
+    lines = []
+    for item in error.errors():
+        key, message = _key(item["loc"]), item["msg"].removeprefix("Value error, ")
+        if message.startswith("@"):
+            sub, _, message = message[1:].partition(": ")
+            key = sub if key == "(top level)" else f"{key}.{sub}"
+        lines.append(f"{key}: {message}")
+    return lines
+
+
+def load_settings(path: Path | str, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read, merge with the environment and validate; raise ``SettingsError`` if unusable."""
+    environ = os.environ if environ is None else environ
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SettingsError([f"{path}: cannot read: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        raise SettingsError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise SettingsError([f"{path}: the top level must be a mapping of keys"])
+    if environ.get(TOKEN_ENV):
+        data.setdefault("api", {})
+        if isinstance(data["api"], dict):
+            data["api"]["token"] = environ[TOKEN_ENV]
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise SettingsError(format_errors(exc)) from None
+
+
+def summary(settings: Settings) -> list[str]:
+    """What the settings describe, one line each, without secrets."""
+    lines = [f"data dir: {settings.data_dir}", f"store: {_redact(settings.store_url)}"]
+    for name, pool in sorted(settings.fleet.pools.items()):
+        proposers = ", ".join(
+            f"{p.name} ({p.method}, γ {p.gamma_min}-{p.gamma_max})" for p in pool.proposer_list()
+        )
+        lines.append(
+            f"pool {name}: model {pool.model}, {len(pool.instances)} instance(s), "
+            f"running {pool.speculative_config.get('method')}, proposers: {proposers or 'none'}"
+        )
+    lines.append(f"classes: {', '.join(settings.classes)}")
+    lines.append(f"buckets: {', '.join(settings.bucket_labels)}")
+    lines.append(f"scrape interval: {settings.scrape_interval_s:g} s")
+    lines.append(
+        f"api: {settings.api.host}:{settings.api.port}, read-write token "
+        f"{'set' if settings.api.token else 'NOT set (writes refused)'}, "
+        f"{len(settings.api.read_only_tokens)} read-only token(s)"
+    )
+    return lines
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest and ":" in rest.split("@", 1)[0]:
+        user = rest.split("@", 1)[0].split(":", 1)[0]
+        return f"{scheme}{sep}{user}:***@{rest.split('@', 1)[1]}"
+    return url

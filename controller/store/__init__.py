@@ -1,0 +1,1 @@
+"""specpilot's store: decisions, overrides, alerts, observations and learned state."""

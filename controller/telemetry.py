@@ -1,0 +1,93 @@
+"""specpilot's own Prometheus metrics, registered on the registry passed in.
+
+Base units, ``_total`` on counters, ``_ratio`` for 0-1 values, labels kept to
+model / class / bucket / arm / actor.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+CONTEXT_LABELS = ("model", "workload_class", "bucket")
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.loop_iterations = Counter(
+            "specpilot_loop_iterations_total", "Control-loop iterations run.", registry=registry
+        )
+        self.loop_errors = Counter(
+            "specpilot_loop_errors_total",
+            "Control-loop iterations that failed (the loop goes on).",
+            registry=registry,
+        )
+        self.loop_duration = Histogram(
+            "specpilot_loop_iteration_duration_seconds",
+            "Time one control-loop iteration took.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.observations = Counter(
+            "specpilot_observations_total", "Per-request observations collected.", registry=registry
+        )
+        self.decisions = Counter(
+            "specpilot_decisions_total",
+            "Changes of a context's effective arm, by who made them.",
+            ["actor"],
+            registry=registry,
+        )
+        self.guard_rail_rejections = Counter(
+            "specpilot_guard_rail_rejections_total",
+            "Policy choices a guard rail refused.",
+            ["rule"],
+            registry=registry,
+        )
+        self.actuations = Counter(
+            "specpilot_actuations_total",
+            "Pool configs handed to actuators, by outcome.",
+            ["actuator", "outcome"],
+            registry=registry,
+        )
+        self.leader = Gauge(
+            "specpilot_leader", "1 while this replica leads (runs the policy).", registry=registry
+        )
+        self.frozen = Gauge(
+            "specpilot_policy_frozen", "1 while learning and pushing are frozen.", registry=registry
+        )
+        self.overrides_active = Gauge(
+            "specpilot_overrides_active", "Operator overrides in force.", registry=registry
+        )
+        self.store_up = Gauge(
+            "specpilot_store_up",
+            "1 when the last store write reached the database.",
+            registry=registry,
+        )
+        self.store_buffered = Gauge(
+            "specpilot_store_buffered_records",
+            "Records waiting in memory for the database to come back.",
+            registry=registry,
+        )
+        self.store_dropped = Counter(
+            "specpilot_store_dropped_records_total",
+            "Records dropped because the write buffer was full.",
+            registry=registry,
+        )
+        self.predicted_speedup = Gauge(
+            "specpilot_context_predicted_speedup",
+            "Speed-up over no speculation the policy expects from the context's arm.",
+            CONTEXT_LABELS,
+            registry=registry,
+        )
+        self.estimated_acceptance = Gauge(
+            "specpilot_context_estimated_acceptance_ratio",
+            "Draft acceptance rate the policy estimates for the context's arm (0-1).",
+            CONTEXT_LABELS,
+            registry=registry,
+        )
+        self.api_requests = Counter(
+            "specpilot_api_requests_total",
+            "REST API requests by route template and status code.",
+            ["method", "route", "status"],
+            registry=registry,
+        )

@@ -1,0 +1,268 @@
+"""The REST API end to end: real uvicorn on a loopback port, real SQLite and PostgreSQL.
+
+The policy and collector behind it are the fakes of ``fakes.py`` (to isolate the
+service from the real policy engine and collectors, built elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.api import create_app
+from controller.contexts import ContextKey
+from controller.service import Service, build_service
+from controller.store.records import DecisionRecord, ObservationRecord
+from tests.controller.conftest import LiveServer, PgDatabase, make_settings
+from tests.controller.fakes import QueueSource, ScriptedPolicy
+
+RW, RO = "rw-secret", "ro-secret"
+WRITE = {"Authorization": f"Bearer {RW}"}
+READ_ONLY = {"Authorization": f"Bearer {RO}"}
+NGRAM3 = {
+    "scope": {"model": "*", "class": "code", "bucket": "*"},
+    "config": {"method": "ngram", "num_speculative_tokens": 3},
+    "ttl_s": 600,
+    "reason": "incident 42",
+}
+
+
+class Api:
+    def __init__(self, service: Service, client: httpx.Client) -> None:
+        self.service, self.client = service, client
+
+    def until(self, probe: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+        """Poll until ``probe()`` is truthy (the loop runs on its own interval)."""
+        deadline = time.monotonic() + timeout_s
+        while not (value := probe()):
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.05)
+        return value
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, store_url: str | None, api: dict[str, Any]) -> Iterator[Api]:
+    settings = make_settings(tmp_path, store_url, api=api)
+    policy = ScriptedPolicy(settings.buckets)
+    service = build_service(settings, policy, QueueSource())
+    try:
+        with (
+            LiveServer(create_app(settings, service)) as server,
+            httpx.Client(base_url=server.url, timeout=10) as client,
+        ):
+            yield Api(service, client)
+    finally:
+        service.close()
+
+
+@pytest.fixture
+def api(tmp_path: Path, store_url: str) -> Iterator[Api]:
+    with serve(tmp_path, store_url, {"token": RW, "read_only_tokens": [RO]}) as running:
+        yield running
+
+
+def test_health_and_readiness(api: Api) -> None:
+    assert api.client.get("/healthz").json() == {"status": "ok", "checks": {}}
+    ready = api.until(lambda: (r := api.client.get("/readyz")).status_code == 200 and r)
+    assert ready.json()["checks"] == {"store": "ok", "loop": "ok", "role": "leader"}
+
+
+def test_writes_need_the_read_write_token(api: Api) -> None:
+    no_token = api.client.post("/v1/overrides", json=NGRAM3)
+    assert no_token.status_code == 401 and no_token.headers["www-authenticate"] == "Bearer"
+    assert api.client.post("/v1/overrides", json=NGRAM3, headers=READ_ONLY).status_code == 403
+    wrong = {"Authorization": "Bearer nope"}
+    assert api.client.post("/v1/policy/freeze", headers=wrong).status_code == 401
+    assert api.client.post("/v1/policy/freeze", headers=READ_ONLY).status_code == 403
+    assert api.client.delete("/v1/overrides/x", headers=READ_ONLY).status_code == 403
+    assert api.client.get("/v1/overrides").json() == {"overrides": []}  # nothing got through
+    assert api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE).status_code == 201
+
+
+def test_no_token_configured_refuses_every_write(tmp_path: Path) -> None:
+    with serve(tmp_path, None, {}) as api:
+        for headers in ({}, WRITE):
+            response = api.client.post("/v1/overrides", json=NGRAM3, headers=headers)
+            assert response.status_code in (401, 403)
+        response = api.client.post("/v1/policy/freeze", headers=WRITE)
+        assert response.status_code == 403 and "no read-write token" in response.json()["detail"]
+        assert api.client.get("/v1/policy").json()["frozen"] is False
+
+
+UNRUNNABLE: list[tuple[dict[str, Any], str]] = [
+    ({"config": {"method": "magic", "num_speculative_tokens": 3}}, "unknown method 'magic'"),
+    ({"config": {"method": "ngram", "num_speculative_tokens": 9}}, "out of range on pool 'p'"),
+    ({"config": {"method": "ngram", "num_speculative_tokens": 0}}, ">= 1"),
+    (
+        {"config": {"method": "draft_model", "model": "/other", "num_speculative_tokens": 2}},
+        "no draft model '/other'",
+    ),
+    (
+        {"config": {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}},
+        "no 'eagle3' proposer",
+    ),
+    ({"scope": {"class": "poetry"}}, "scope.class: unknown class 'poetry'"),
+    ({"scope": {"bucket": "2-3"}}, "scope.bucket: unknown bucket '2-3'"),
+]
+
+
+def test_overrides_the_fleet_cannot_run_are_422_with_the_reason(api: Api) -> None:
+    for change, reason in UNRUNNABLE:
+        response = api.client.post("/v1/overrides", json={**NGRAM3, **change}, headers=WRITE)
+        assert response.status_code == 422, change
+        assert reason in response.json()["detail"]
+    assert api.client.get("/v1/overrides").json() == {"overrides": []}
+
+
+def test_malformed_override_bodies_are_422(api: Api) -> None:
+    for body in (
+        {**NGRAM3, "ttl_s": 0},
+        {**NGRAM3, "ttl_s": "soon"},
+        {**NGRAM3, "reason": ""},
+        {k: v for k, v in NGRAM3.items() if k != "config"},
+        {**NGRAM3, "extra": 1},
+    ):
+        assert api.client.post("/v1/overrides", json=body, headers=WRITE).status_code == 422
+
+
+def test_override_lifecycle(api: Api) -> None:
+    created = api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE)
+    assert created.status_code == 201
+    body = created.json()
+    assert body["arm"] == "ngram:3" and body["scope"] == NGRAM3["scope"]
+    assert body["expires_at"] - body["created_at"] == pytest.approx(600)
+    listed = api.client.get("/v1/overrides").json()["overrides"]
+    assert [o["id"] for o in listed] == [body["id"]]
+
+    def operator_decisions() -> list[dict[str, Any]]:
+        page = api.client.get("/v1/decisions", params={"class": "code"}).json()
+        return [d for d in page["decisions"] if d["actor"] == "operator"]
+
+    decided = api.until(lambda: len(operator_decisions()) == 2 and operator_decisions())
+    assert {d["bucket"] for d in decided} == {"1-3", "4+"}
+    assert all(d["arm"] == "ngram:3" and "incident 42" in d["reason"] for d in decided)
+    policy = api.client.get("/v1/policy").json()
+    code = [c for c in policy["contexts"] if c["class"] == "code"]
+    assert all(c["arm"] == "ngram:3" and c["override_id"] == body["id"] for c in code)
+    fleet = api.client.get("/v1/fleet").json()
+    assert fleet["pools"][0]["effective_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+
+    assert api.client.delete(f"/v1/overrides/{body['id']}", headers=WRITE).status_code == 204
+    assert api.client.delete(f"/v1/overrides/{body['id']}", headers=WRITE).status_code == 404
+    assert api.client.get("/v1/overrides").json() == {"overrides": []}
+
+
+def test_off_override_and_expiry(api: Api) -> None:
+    off = {**NGRAM3, "config": {"method": "off"}, "ttl_s": 0.5}
+    created = api.client.post("/v1/overrides", json=off, headers=WRITE).json()
+    assert created["arm"] == "off"
+    api.until(lambda: api.client.get("/v1/overrides").json() == {"overrides": []}, 10)
+
+
+def test_freeze_and_unfreeze(api: Api) -> None:
+    assert api.client.post("/v1/policy/freeze", headers=WRITE).json() == {"frozen": True}
+    assert api.client.get("/v1/policy").json()["frozen"] is True
+    assert api.service.store.get_state("frozen") is True  # survives a restart
+    assert api.client.post("/v1/policy/unfreeze", headers=WRITE).json() == {"frozen": False}
+    assert api.client.get("/v1/fleet").json()["frozen"] is False
+
+
+def test_decisions_paginated_newest_first(api: Api) -> None:
+    store = api.service.store
+    for i in range(5):
+        store.record_decision(
+            DecisionRecord(
+                float(i),
+                ContextKey("m", "chat", "4+"),
+                f"ngram:{i % 4 + 1}",
+                None,
+                f"step {i}",
+                "policy",
+            )
+        )
+    first = api.client.get("/v1/decisions", params={"limit": 2, "class": "chat"}).json()
+    assert [d["reason"] for d in first["decisions"]] == ["step 4", "step 3"]
+    second = api.client.get(
+        "/v1/decisions", params={"limit": 2, "class": "chat", "before": first["next_before"]}
+    ).json()
+    assert [d["reason"] for d in second["decisions"]] == ["step 2", "step 1"]
+    assert api.client.get("/v1/decisions", params={"limit": 0}).status_code == 422
+
+
+def test_stats_filtered_by_class_and_window(api: Api) -> None:
+    now = time.time()
+    store = api.service.store
+    store.add_observations(
+        [
+            ObservationRecord(
+                now - 10, ContextKey("m", "code", "1-3"), "ngram:3", "p", 100, 0.01, 0.1, 0.8, 3.4
+            ),
+            ObservationRecord(now - 10, ContextKey("m", "chat", "1-3"), "off", "p", 50, 0.02),
+            ObservationRecord(now - 7200, ContextKey("m", "code", "1-3"), "off", "p", 50, 0.02),
+        ]
+    )
+    rows = api.client.get("/v1/stats", params={"class": "code", "window_s": 60}).json()["rows"]
+    assert len(rows) == 1
+    assert rows[0]["acceptance_rate"] == 0.8 and rows[0]["emitted_tokens_per_verify"] == 3.4
+    everything = api.client.get("/v1/stats", params={"window_s": 86400}).json()["rows"]
+    assert len(everything) == 3
+
+
+def test_metrics_are_specpilot_own_in_base_units(api: Api) -> None:
+    api.until(lambda: api.client.get("/readyz").status_code == 200)
+    api.client.get("/v1/policy")
+    text = api.client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families and all(name.startswith("specpilot_") for name in families)
+    assert families["specpilot_leader"].samples[0].value == 1
+    requests = [
+        s
+        for s in families["specpilot_api_requests"].samples
+        if s.name.endswith("_total") and s.labels["route"] == "/v1/policy"
+    ]
+    assert requests and requests[0].labels["status"] == "200"
+    assert "specpilot_loop_iteration_duration_seconds" in families
+
+
+def test_openapi_is_published_with_the_v1_paths(api: Api) -> None:
+    paths = api.client.get("/openapi.json").json()["paths"]
+    assert {
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/fleet",
+        "/v1/policy",
+        "/v1/stats",
+        "/v1/overrides",
+        "/v1/overrides/{override_id}",
+        "/v1/policy/freeze",
+        "/v1/policy/unfreeze",
+        "/v1/decisions",
+    } <= set(paths)
+
+
+def test_store_outage_is_503_for_writes_and_not_ready(tmp_path: Path, pg: PgDatabase) -> None:
+    with serve(tmp_path, pg.url, {"token": RW}) as api:
+        api.until(lambda: api.client.get("/readyz").status_code == 200)
+        pg.refuse_logins()
+        try:
+            response = api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE)
+            assert response.status_code == 503
+            assert "store is unreachable" in response.json()["detail"]
+            ready = api.client.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["checks"]["store"].startswith(
+                "unreachable"
+            )
+            assert api.client.get("/v1/policy").status_code == 200  # served from memory
+            assert api.client.get("/healthz").status_code == 200
+        finally:
+            pg.allow_logins()
+        api.until(lambda: api.client.get("/readyz").status_code == 200)
+        assert api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE).status_code == 201

@@ -1,0 +1,405 @@
+"""The control loop, isolated from the real policy and collectors.
+
+The policy and the collector here are the fakes of ``tests/controller/fakes.py``, used
+ONLY to isolate the loop's own logic (ordering of record and act, overrides, freeze,
+guard rails, measurement, restart, leadership, outages); the store, the file actuator
+and PostgreSQL are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.actuators.file import FileActuator
+from controller.contexts import ContextKey
+from controller.fleet import PoolConfig
+from controller.ports import Collected
+from controller.service import Service, build_service
+from controller.settings import Settings, StoreSettings
+from controller.store.db import Store
+from controller.store.leader import AdvisoryLockLeader
+from controller.store.records import OverrideRecord, Scope
+from tests.controller.conftest import PgDatabase, make_settings
+from tests.controller.fakes import QueueSource, ScriptedPolicy, observation
+
+CODE_LOW = ContextKey("m", "code", "1-3")
+CODE_HIGH = ContextKey("m", "code", "4+")
+CHAT_LOW = ContextKey("m", "chat", "1-3")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingActuator:
+    """Remembers what it was handed and which decisions the store held at that moment."""
+
+    name = "recording"
+
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = store
+        self.calls: list[tuple[list[PoolConfig], list[str]]] = []
+
+    async def apply(self, configs: Sequence[PoolConfig]) -> None:
+        try:
+            arms = [d.arm for d in self.store.decisions().decisions] if self.store else []
+        except Exception:  # the store is down (outage test): the loop must act anyway
+            arms = []
+        self.calls.append((list(configs), arms))
+
+
+class Harness:
+    def __init__(self, settings: Settings, leadership: Any = None) -> None:
+        self.clock = Clock()
+        self.policy = ScriptedPolicy(settings.buckets)
+        self.source = QueueSource()
+        self.actuator = RecordingActuator()
+        self.service: Service = build_service(
+            settings,
+            self.policy,
+            self.source,
+            actuators=[self.actuator, FileActuator(settings.actuator_dir)],
+            leadership=leadership,
+            clock=self.clock,
+        )
+        self.actuator.store = self.service.store
+        self.store = self.service.store
+        self.loop = self.service.loop
+        asyncio.run(self.loop.start())
+
+    def tick(self, at: float | None = None) -> None:
+        if at is not None:
+            self.clock.now = at
+        asyncio.run(self.loop.tick())
+
+    def decisions(self) -> list[Any]:
+        return list(self.store.decisions(limit=100).decisions)
+
+    def close(self) -> None:
+        self.service.close()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Harness:
+    h = Harness(make_settings(tmp_path))
+    yield h  # type: ignore[misc]
+    h.close()
+
+
+def test_first_tick_pushes_every_pool_and_records_nothing_without_change(harness: Harness) -> None:
+    harness.tick()
+    assert harness.decisions() == []
+    [(configs, _)] = harness.actuator.calls
+    assert configs[0].pool == "p" and configs[0].config is None
+    assert json.loads((harness.service.settings.actuator_dir / "p.json").read_text()) is None
+
+
+def test_decision_is_recorded_before_the_actuators_act(harness: Harness) -> None:
+    harness.tick()
+    harness.policy.script[CODE_LOW] = "ngram:3"
+    harness.tick(1010.0)
+    [decision] = harness.decisions()
+    assert (decision.context, decision.arm, decision.previous_arm) == (CODE_LOW, "ngram:3", "off")
+    assert decision.actor == "policy" and decision.predicted_speedup == 1.5
+    configs, arms_in_store_when_acting = harness.actuator.calls[-1]
+    assert arms_in_store_when_acting == ["ngram:3"]
+    expected = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 256, 0]],
+    }
+    assert configs[0].config == expected
+    path = harness.service.settings.actuator_dir / "p.json"
+    assert json.loads(path.read_text()) == expected
+    assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temporary left over
+
+
+def test_chat_decisions_do_not_touch_a_pool_whose_primary_class_is_code(harness: Harness) -> None:
+    harness.tick()
+    harness.policy.script[CHAT_LOW] = "tiny:2"
+    harness.tick(1010.0)
+    assert [d.context for d in harness.decisions()] == [CHAT_LOW]
+    assert len(harness.actuator.calls) == 1  # only the first, full push
+
+
+def test_override_pins_then_hands_back_when_it_expires(harness: Harness) -> None:
+    harness.store.add_override(
+        OverrideRecord(
+            "o1",
+            1000.0,
+            1100.0,
+            Scope("*", "code", "*"),
+            {"method": "ngram", "num_speculative_tokens": 2},
+            "incident 42",
+        )
+    )
+    harness.policy.script[CODE_LOW] = "tiny:2"
+    harness.tick(1010.0)
+    pinned = {d.context: d for d in harness.decisions()}
+    assert set(pinned) == {CODE_LOW, CODE_HIGH}
+    assert all(d.actor == "operator" and d.arm == "ngram:2" for d in pinned.values())
+    assert "incident 42" in pinned[CODE_LOW].reason
+    assert harness.policy.pins == {CODE_LOW: "ngram:2", CODE_HIGH: "ngram:2"}
+    harness.tick(1200.0)  # expired
+    newest = harness.decisions()[:2]
+    back = {d.context: d for d in newest}
+    assert back[CODE_LOW].arm == "tiny:2" and back[CODE_LOW].actor == "policy"
+    assert back[CODE_LOW].reason.startswith("operator override ended")
+    assert harness.policy.pins == {}
+
+
+def test_most_specific_override_wins(harness: Harness) -> None:
+    broad = Scope("*", "*", "*")
+    narrow = Scope("m", "code", "1-3")
+    harness.store.add_override(OverrideRecord("n", 999.0, 2000.0, narrow, {"method": "off"}, "n"))
+    harness.store.add_override(
+        OverrideRecord(
+            "b", 1000.0, 2000.0, broad, {"method": "ngram", "num_speculative_tokens": 4}, "b"
+        )
+    )
+    harness.tick(1010.0)
+    arms = {d.context: d.arm for d in harness.decisions()}
+    assert CODE_LOW not in arms  # already off: pinned off, no change to record
+    assert harness.loop.arms[CODE_LOW] == "off"
+    assert arms[CODE_HIGH] == "ngram:4" and arms[CHAT_LOW] == "ngram:4"
+
+
+def test_freeze_stops_learning_and_pushing(harness: Harness) -> None:
+    harness.store.set_state("frozen", True, now=0.0)
+    harness.source.batches.append(Collected((observation("off", 0.02),)))
+    harness.policy.script[CODE_LOW] = "ngram:3"
+    harness.tick(1010.0)
+    assert harness.policy.observed == 0 and harness.decisions() == []
+    assert harness.store.count_observations() == 1  # still recorded
+    harness.store.set_state("frozen", False, now=0.0)
+    harness.tick(1020.0)
+    assert [d.arm for d in harness.decisions()] == ["ngram:3"]
+
+
+def test_guard_rails(tmp_path: Path) -> None:
+    h = Harness(make_settings(tmp_path, min_dwell_s=60))
+    try:
+        h.policy.script[CODE_LOW] = "eagle3:2"  # no such proposer on the pool
+        h.tick(1000.0)
+        assert h.decisions() == []
+        h.policy.script[CODE_LOW] = "ngram:9"  # out of the proposer's γ range
+        h.tick(1001.0)
+        assert h.decisions() == []
+        h.policy.script[CODE_LOW] = "ngram:2"
+        h.tick(1002.0)
+        h.policy.script[CODE_LOW] = "ngram:4"
+        h.tick(1030.0)  # within the dwell time
+        assert [d.arm for d in h.decisions()] == ["ngram:2"]
+        h.tick(1063.0)
+        assert [d.arm for d in h.decisions()] == ["ngram:4", "ngram:2"]
+        text = h.service.registry.get_sample_value(
+            "specpilot_guard_rail_rejections_total", {"rule": "not_runnable"}
+        )
+        assert text == 2
+    finally:
+        h.close()
+
+
+def test_measured_speedup_is_filled_in_after_the_wait(harness: Harness) -> None:
+    harness.source.batches.append(Collected(tuple(observation("off", 0.020) for _ in range(4))))
+    harness.tick(1000.0)  # off is the only arm observed: stays
+    harness.policy.script[CODE_LOW] = "ngram:3"
+    harness.tick(1001.0)
+    harness.source.batches.append(Collected(tuple(observation("ngram:3", 0.010) for _ in range(3))))
+    harness.tick(1005.0)  # too early
+    assert harness.decisions()[0].measured_speedup is None
+    harness.tick(1012.0)
+    assert harness.decisions()[0].measured_speedup == pytest.approx(2.0)
+
+
+def test_restart_restores_arms_and_learned_state(tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    first = Harness(settings)
+    first.source.batches.append(Collected((observation("ngram:2", 0.01), observation("off", 0.02))))
+    first.tick(1000.0)
+    assert [d.arm for d in first.decisions()] == ["ngram:2"]
+    learned = first.policy.state_dict()
+    first.close()  # no shutdown: as after kill -9, only what the loop wrote synchronously
+    second = Harness(settings)
+    try:
+        assert second.loop.arms[CODE_LOW] == "ngram:2"
+        assert second.policy.state_dict() == learned
+        second.tick(1001.0)
+        assert len(second.decisions()) == 1  # nothing to redo
+    finally:
+        second.close()
+
+
+def test_shutdown_saves_state_and_closes_the_source(harness: Harness) -> None:
+    class Draining(QueueSource):
+        async def collect(self) -> Collected:
+            batch = await super().collect()
+            self.drained.set()
+            return batch
+
+    async def run() -> None:
+        source = Draining()
+        source.drained = asyncio.Event()
+        source.batches.append(Collected((observation("off", 0.02),)))
+        harness.loop.source = harness.source = source
+        stop = asyncio.Event()
+        task = asyncio.create_task(harness.loop.run(stop))
+        await source.drained.wait()
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    assert harness.source.closed
+    snapshot = harness.store.latest_snapshot()
+    assert snapshot is not None and snapshot[1] == harness.policy.state_dict()
+
+
+class Follower:
+    is_leader = False
+
+    def __init__(self) -> None:
+        self.leading = False
+
+    def check(self) -> bool:
+        return self.leading
+
+    def release(self) -> None:
+        pass
+
+
+def test_follower_reads_and_takes_over_warm(tmp_path: Path) -> None:
+    leadership = Follower()
+    h = Harness(make_settings(tmp_path), leadership=leadership)
+    try:
+        h.source.batches.append(Collected((observation("off", 0.02),)))
+        h.policy.script[CODE_LOW] = "ngram:3"
+        h.tick(1000.0)
+        assert h.decisions() == [] and len(h.source.batches) == 1  # follows: no collect
+        # The leader (another replica) decided and saved its learning.
+        other = ScriptedPolicy()
+        other.tpot = {"m/code/1-3|tiny:2": [0.03, 3]}
+        h.store.save_snapshot(1000.5, other.state_dict())
+        h.store.record_decision(h.loop._decision(CODE_LOW, _target("tiny:2"), 1000.5))
+        h.store.add_override(OverrideRecord("o", 1000.6, 2000.0, Scope(), {"method": "off"}, "r"))
+        h.tick(1001.0)
+        assert h.loop.arms[CODE_LOW] == "tiny:2" and h.policy.tpot == other.tpot
+        assert [o.id for o in h.loop.overrides] == ["o"]  # the follower's API shows them
+        h.store.delete_override("o", now=1001.5)
+        leadership.leading = True
+        h.tick(1002.0)
+        assert h.decisions()[0].arm == "ngram:3" and h.decisions()[0].previous_arm == "tiny:2"
+        assert len(h.actuator.calls) == 1  # the new leader pushes every pool once
+    finally:
+        h.close()
+
+
+def _target(arm: str) -> Any:
+    from controller.loop import Target
+
+    return Target(arm, "other replica", "policy")
+
+
+def test_loop_keeps_deciding_through_a_postgresql_outage(tmp_path: Path, pg: PgDatabase) -> None:
+    h = Harness(make_settings(tmp_path, pg.url), leadership=AdvisoryLockLeader(pg.url))
+    try:
+        h.tick(1000.0)
+        assert h.loop.is_leader
+        pg.refuse_logins()
+        h.policy.script[CODE_LOW] = "ngram:3"
+        h.source.batches.append(Collected((observation("off", 0.02),)))
+        h.tick(1010.0)
+        assert h.loop.is_leader and h.loop.arms[CODE_LOW] == "ngram:3"
+        assert h.actuator.calls[-1][0][0].config is not None  # acted
+        registry = h.service.registry
+        assert registry.get_sample_value("specpilot_store_up") == 0
+        assert registry.get_sample_value("specpilot_store_buffered_records") >= 2
+        h.policy.script[CODE_LOW] = "ngram:4"
+        h.tick(1020.0)
+        pg.allow_logins()
+        h.tick(1030.0)
+        assert [d.arm for d in h.decisions()] == ["ngram:4", "ngram:3"]
+        assert h.store.count_observations() == 1
+        assert registry.get_sample_value("specpilot_store_up") == 1
+        assert registry.get_sample_value("specpilot_store_buffered_records") == 0
+        assert not (h.service.settings.data_dir / "journal.jsonl").exists()  # all stored
+    finally:
+        pg.allow_logins()
+        asyncio.run(h.loop.shutdown())
+        h.close()
+
+
+def test_decisions_made_during_an_outage_survive_a_crash(tmp_path: Path, pg: PgDatabase) -> None:
+    settings = make_settings(tmp_path, pg.url)
+    first = Harness(settings, leadership=AdvisoryLockLeader(pg.url))
+    try:
+        first.tick(1000.0)
+        pg.refuse_logins()
+        first.policy.script[CODE_LOW] = "ngram:3"
+        first.tick(1010.0)
+        assert first.loop.arms[CODE_LOW] == "ngram:3"  # decided and acted, store away
+        journal = settings.data_dir / "journal.jsonl"
+        assert journal.exists()
+    finally:
+        first.loop.leadership.release()
+        first.close()  # crash: the in-memory buffer is gone, nothing was flushed
+    pg.allow_logins()
+    second = Harness(settings, leadership=AdvisoryLockLeader(pg.url))
+    try:
+        [decision] = second.decisions()
+        assert (decision.context, decision.arm, decision.ts) == (CODE_LOW, "ngram:3", 1010.0)
+        assert second.loop.arms[CODE_LOW] == "ngram:3"
+        assert not journal.exists()
+        second.loop.journal.append(decision)  # a replay after a flush stores nothing twice
+        asyncio.run(second.loop.start())
+        assert len(second.decisions()) == 1
+    finally:
+        second.loop.leadership.release()
+        second.close()
+
+
+def test_old_observations_are_rolled_up_by_the_loop(tmp_path: Path) -> None:
+    base = make_settings(tmp_path)
+    settings = base.model_copy(
+        update={"store": StoreSettings(observation_retention_s=60, rollup_period_s=60)}
+    )
+    h = Harness(settings)
+    try:
+        old = tuple(observation("off", 0.02, finished_at=1000.0 + i) for i in range(5))
+        h.source.batches.append(Collected(old))
+        h.tick(1010.0)
+        assert h.store.count_observations() == 5  # still within the retention
+        h.tick(1200.0)
+        assert h.store.count_observations() == 0
+        [row] = h.store.stats(since=0.0)
+        assert (row.requests, row.mean_tpot_s) == (5, pytest.approx(0.02))
+    finally:
+        h.close()
+
+
+def test_a_stored_arm_the_fleet_no_longer_offers_is_not_restored(tmp_path: Path) -> None:
+    first = Harness(make_settings(tmp_path))
+    first.policy.script[CODE_LOW] = "tiny:3"
+    first.tick(1000.0)
+    first.close()
+    narrower = make_settings(tmp_path)
+    pool = narrower.fleet.pools["p"].model_copy(
+        update={"proposers": {"ngram": narrower.fleet.pools["p"].proposers["ngram"]}}
+    )
+    fleet = narrower.fleet.model_copy(update={"pools": {"p": pool}})
+    second = Harness(narrower.model_copy(update={"fleet": fleet}))
+    try:
+        assert second.loop.arms[CODE_LOW] == "off"  # what pool p runs, not the dropped draft
+        second.tick(1001.0)  # raises if it tried to push the unknown proposer
+        assert second.actuator.calls[-1][0][0].config is None
+    finally:
+        second.close()
