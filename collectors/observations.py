@@ -56,8 +56,9 @@ class RequestObservation:
     ttft_s: float | None
     """Time to first token."""
     mean_itl_s: float | None
-    """Mean inter-token latency as vLLM reports it: per engine step, so with
-    speculation one interval may cover several tokens."""
+    """vLLM's per-request ``mean_itl_ms``: generation time over (output tokens − 1), a
+    per-token mean (checked on the recorded responses). Unlike the histogram
+    ``vllm:inter_token_latency_seconds``, which is observed once per engine step."""
     generation_time_s: float | None
     """From first to last output token."""
     spec: SpecDecodeRequestStats | None
