@@ -15,8 +15,12 @@ from its own clock); the engine itself never reads a clock.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+import bisect
+import heapq
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -53,52 +57,82 @@ class Traffic:
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._classes = list(scenario.classes)
-        shares = np.array([scenario.classes[c].share for c in self._classes])
-        self._cumulative = np.cumsum(shares / shares.sum())
+        total = sum(scenario.classes[c].share for c in self._classes)
+        self._cumulative = list(
+            itertools.accumulate(scenario.classes[c].share / total for c in self._classes)
+        )
         self._proposers = sorted(scenario.proposers)
+        self._change_times = sorted({d.at_s for d in scenario.drift})
+        self._quantiles: dict[tuple[int, str], list[npt.NDArray[np.float64] | None]] = {}
+        self._streams: dict[int, tuple[int, np.random.Generator | None]] = {}
         self._next_id = 0
 
     def request(self, stream: int, index: int, t: float) -> SimRequest:
-        scenario = self._scenario
-        rng = np.random.default_rng((scenario.seed, stream, index))
-        position = int(np.searchsorted(self._cumulative, rng.random(), side="right"))
-        cls = self._classes[min(position, len(self._classes) - 1)]
-        spec = scenario.classes[cls]
-        spread = spec.output_spread * (2.0 * rng.random() - 1.0)
-        output_tokens = max(2, round(spec.output_tokens * (1.0 + spread)))
-        uniforms = rng.random(output_tokens)
-        kappa = scenario.model.acceptance_concentration
+        """Request ``index`` of ``stream``; streams are read in order (0, 1, 2, …)."""
+        issued, rng = self._streams.get(stream, (0, None))
+        if rng is None or index != issued:
+            # Each stream is its own generator; jumping to an index replays the stream.
+            rng = np.random.default_rng((self._scenario.seed, stream))
+            for _ in range(index):
+                self._draw(rng)
+        position, output_tokens, uniforms, alpha_draws = self._draw(rng)
+        self._streams[stream] = (index + 1, rng)
+        cls = self._classes[position]
         alpha: dict[str, float] = {}
-        for proposer in self._proposers:
-            mean = scenario.acceptance_at(cls, proposer, t)
-            draw = rng.random()  # always consumed, so later proposers do not shift
-            if 0.0 < mean < 1.0:
-                alpha[proposer] = float(_beta_quantile(draw, kappa * mean, kappa * (1 - mean)))
+        tables = self._quantile_tables(cls, t)
+        for proposer, draw, table in zip(self._proposers, alpha_draws, tables, strict=True):
+            if table is None:
+                alpha[proposer] = self._scenario.acceptance_at(cls, proposer, t)
             else:
-                alpha[proposer] = mean
+                alpha[proposer] = float(table[int(draw * (len(table) - 1))])
         self._next_id += 1
         return SimRequest(self._next_id, stream, cls, output_tokens, alpha, uniforms)
 
+    def _quantile_tables(self, cls: str, t: float) -> list[npt.NDArray[np.float64] | None]:
+        """Per proposer, the inverse CDF of this class's α at t (None: α is 0 or 1)."""
+        epoch = bisect.bisect_right(self._change_times, t)
+        key = (epoch, cls)
+        tables = self._quantiles.get(key)
+        if tables is None:
+            kappa = self._scenario.model.acceptance_concentration
+            tables = []
+            for proposer in self._proposers:
+                mean = self._scenario.acceptance_at(cls, proposer, t)
+                if 0.0 < mean < 1.0:
+                    tables.append(_beta_inverse_cdf(kappa * mean, kappa * (1 - mean)))
+                else:
+                    tables.append(None)
+            self._quantiles[key] = tables
+        return tables
 
-def _beta_quantile(u: float, a: float, b: float) -> float:
-    """Inverse CDF of Beta(a, b), so one uniform maps to α monotonically.
-
-    Used instead of ``Generator.beta`` so that a drift moves every request's α the same
-    way rather than reshuffling the draws between policies.
-    """
-    return float(np.interp(u, _beta_cdf(a, b), _BETA_GRID))
+    def _draw(
+        self, rng: np.random.Generator
+    ) -> tuple[int, int, npt.NDArray[np.float64], list[float]]:
+        # The same number of draws whatever the time: a drift changes α, not the stream.
+        head = rng.random(2 + len(self._proposers)).tolist()
+        position = min(bisect.bisect_right(self._cumulative, head[0]), len(self._classes) - 1)
+        spec = self._scenario.classes[self._classes[position]]
+        spread = spec.output_spread * (2.0 * head[1] - 1.0)
+        output_tokens = max(2, int(spec.output_tokens * (1.0 + spread) + 0.5))
+        return position, output_tokens, rng.random(output_tokens), head[2:]
 
 
 _BETA_GRID = np.linspace(0.0005, 0.9995, 1000)
+_QUANTILE_POINTS = np.linspace(0.0, 1.0, 1001)
 
 
-@functools.lru_cache(maxsize=256)
-def _beta_cdf(a: float, b: float) -> npt.NDArray[np.float64]:
-    # Density on a fixed grid, cumulated: accurate to about 1e-3, plenty for traffic.
+def _beta_inverse_cdf(a: float, b: float) -> npt.NDArray[np.float64]:
+    """Beta(a, b) quantiles at 1001 evenly spaced probabilities.
+
+    A uniform maps to α through this table (monotonically), so a drift moves every
+    request's α the same way instead of reshuffling draws between policies. Accurate
+    to about 1e-3, plenty for a traffic model.
+    """
     log_density = (a - 1) * np.log(_BETA_GRID) + (b - 1) * np.log1p(-_BETA_GRID)
     density = np.exp(log_density - log_density.max())
     cdf = np.cumsum(density)
-    result: npt.NDArray[np.float64] = cdf / cdf[-1]
+    cdf /= cdf[-1]
+    result: npt.NDArray[np.float64] = np.interp(_QUANTILE_POINTS, cdf, _BETA_GRID)
     return result
 
 
@@ -138,7 +172,7 @@ class _Flight:
     plan: Plan
     admitted_at: float
     concurrency: int
-    done: int = 0
+    start_step: int
     first_token_at: float | None = None
 
 
@@ -149,32 +183,63 @@ class Completion:
     observation: RequestObservation
 
 
-@dataclass(slots=True)
 class Engine:
-    """The batch. ``add`` admits a request with its arm; ``advance`` runs steps."""
+    """The batch. ``add`` admits a request with its arm; ``advance`` runs steps.
 
-    cost: CostParams
-    model_name: str
-    position_decay: float
-    now: float = 0.0
-    emitted_tokens: int = 0
-    """Tokens generated so far, across all requests (finished or not)."""
-    steps_run: int = 0
-    _flights: list[_Flight] = field(default_factory=list)
-    _step_time: float | None = None
+    Steps are counted globally; a request admitted at step s with a plan of n steps
+    finishes at step s + n, so a heap of finish steps replaces per-request counters.
+    """
+
+    def __init__(self, cost: CostParams, model_name: str, position_decay: float) -> None:
+        self.cost = cost
+        self.model_name = model_name
+        self.position_decay = position_decay
+        self.now = 0.0
+        self.steps_run = 0
+        self._flights: dict[int, _Flight] = {}
+        self._finish_heap: list[tuple[int, int]] = []
+        self._awaiting_first_token: list[_Flight] = []
+        self._finished_tokens = 0
+        self._verify_tokens = 0
+        self._depths: dict[str, Counter[int]] = {}
+        self._step_time: float | None = None
+        self._sequence = 0
 
     @property
     def in_flight(self) -> int:
         return len(self._flights)
 
+    def emitted_tokens(self) -> int:
+        """Tokens generated so far, by finished and in-flight requests."""
+        total = self._finished_tokens
+        for flight in self._flights.values():
+            done = self.steps_run - flight.start_step
+            if done > 0:
+                total += int(flight.plan.emitted_cumulative[done - 1])
+        return total
+
     def add(self, request: SimRequest, arm: Arm) -> None:
         plan = plan_request(request, arm, self.position_decay)
-        self._flights.append(_Flight(request, arm, plan, self.now, len(self._flights) + 1))
+        self._sequence += 1
+        flight = _Flight(request, arm, plan, self.now, len(self._flights) + 1, self.steps_run)
+        self._flights[self._sequence] = flight
+        heapq.heappush(self._finish_heap, (self.steps_run + plan.steps, self._sequence))
+        self._awaiting_first_token.append(flight)
+        self._account(arm, +1)
+
+    def _account(self, arm: Arm, sign: int) -> None:
+        self._verify_tokens += sign * arm.verify_tokens
+        if arm.proposer is not None:
+            depths = self._depths.setdefault(arm.proposer, Counter())
+            depths[arm.gamma] += sign
+            if depths[arm.gamma] <= 0:
+                del depths[arm.gamma]
         self._step_time = None
 
     def step_time(self) -> float:
         if self._step_time is None:
-            self._step_time = self.cost.batch_step_time(f.arm for f in self._flights)
+            depth = {p: max(c) for p, c in self._depths.items() if c}
+            self._step_time = self.cost.step_time(self._verify_tokens, depth)
         return self._step_time
 
     def advance(self, until: float) -> list[Completion]:
@@ -188,28 +253,21 @@ class Engine:
             self.now = max(self.now, until)
             return []
         step = self.step_time()
-        to_next_finish = min(f.plan.steps - f.done for f in self._flights)
-        to_until = max(1, int(np.ceil((until - self.now) / step - 1e-9)))
+        to_next_finish = self._finish_heap[0][0] - self.steps_run
+        to_until = max(1, math.ceil((until - self.now) / step - 1e-9))
         k = min(to_next_finish, to_until)
-        start = self.now
-        self.now = start + k * step
+        for flight in self._awaiting_first_token:
+            flight.first_token_at = self.now + step
+        self._awaiting_first_token.clear()
+        self.now += k * step
         self.steps_run += k
         finished: list[Completion] = []
-        remaining: list[_Flight] = []
-        for flight in self._flights:
-            cumulative = flight.plan.emitted_cumulative
-            before = int(cumulative[flight.done - 1]) if flight.done else 0
-            if flight.first_token_at is None:
-                flight.first_token_at = start + step
-            flight.done += k
-            self.emitted_tokens += int(cumulative[flight.done - 1]) - before
-            if flight.done >= flight.plan.steps:
-                finished.append(self._complete(flight))
-            else:
-                remaining.append(flight)
-        if finished:
-            self._flights = remaining
-            self._step_time = None
+        while self._finish_heap and self._finish_heap[0][0] <= self.steps_run:
+            _, key = heapq.heappop(self._finish_heap)
+            flight = self._flights.pop(key)
+            self._account(flight.arm, -1)
+            self._finished_tokens += flight.request.output_tokens
+            finished.append(self._complete(flight))
         return finished
 
     def _complete(self, flight: _Flight) -> Completion:
