@@ -20,7 +20,7 @@ from dataclasses import dataclass
 OFF_NAME = "off"
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True)
 class Arm:
     """A proposer and its speculation length γ; ``proposer=None`` (γ = 0) is no speculation."""
 
@@ -67,12 +67,19 @@ class Arm:
 OFF = Arm(None, 0)
 
 
+def sorted_arms(arms: Iterable[Arm]) -> tuple[Arm, ...]:
+    """Distinct arms in a canonical order: off first, then by proposer and γ."""
+    return tuple(
+        sorted(set(arms), key=lambda a: (a.proposer is not None, a.proposer or "", a.gamma))
+    )
+
+
 def arms_from_proposers(gammas_by_proposer: Mapping[str, Iterable[int]]) -> tuple[Arm, ...]:
     """Every arm a fleet offers: off first, then each proposer's γ values in order."""
     arms = [OFF]
-    for proposer in sorted(gammas_by_proposer):
-        arms.extend(Arm(proposer, g) for g in sorted(set(gammas_by_proposer[proposer])))
-    return tuple(arms)
+    for proposer, gammas in gammas_by_proposer.items():
+        arms.extend(Arm(proposer, g) for g in gammas)
+    return sorted_arms(arms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,19 +56,19 @@ TokensPerStep = Callable[[str, Arm], float]
 """Expected tokens one step emits for a class under an arm (1 for off)."""
 
 
-def steady_goodput(
+def steady_state(
     concurrency: float,
     token_shares: Mapping[str, float],
     tokens_per_step: TokensPerStep,
     assignment: Mapping[str, Arm],
     cost: CostParams,
-) -> float:
-    """Generated tokens per second of a closed loop of ``concurrency`` streams.
+) -> tuple[float, float]:
+    """(tokens per second, seconds per step) of a closed loop of ``concurrency`` streams.
 
     ``token_shares`` is each class's share of the generated tokens it asks for (its
     request share × its mean output length). In steady state a class occupies batch
     slots in proportion to the steps its tokens need (Little's law), i.e. share / E;
-    all slots then advance one step per ``step_time``.
+    all slots then advance one step per step time.
     """
     slots: dict[str, float] = {}
     for cls, share in token_shares.items():
@@ -76,7 +76,7 @@ def steady_goodput(
             slots[cls] = share / tokens_per_step(cls, assignment.get(cls, OFF))
     total = sum(slots.values())
     if total <= 0 or concurrency <= 0:
-        return 0.0
+        return 0.0, cost.step_time(0.0, {})
     verify = 0.0
     emitted = 0.0
     depth: dict[str, int] = {}
@@ -87,7 +87,19 @@ def steady_goodput(
         emitted += concurrency * fraction * tokens_per_step(cls, arm)
         if arm.proposer is not None:
             depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
-    return emitted / cost.step_time(verify, depth)
+    step = cost.step_time(verify, depth)
+    return emitted / step, step
+
+
+def steady_goodput(
+    concurrency: float,
+    token_shares: Mapping[str, float],
+    tokens_per_step: TokensPerStep,
+    assignment: Mapping[str, Arm],
+    cost: CostParams,
+) -> float:
+    """Generated tokens per second in steady state (see :func:`steady_state`)."""
+    return steady_state(concurrency, token_shares, tokens_per_step, assignment, cost)[0]
 
 
 def best_assignment(
