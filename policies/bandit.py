@@ -323,8 +323,8 @@ class SpecPilotPolicy:
         if cost_model is None or not cost_model.ready or tracker is None:
             return True
         params = cost_model.mean_params()
-        before = params.batch_step_time(tracker.arms())
-        after = params.batch_step_time([*tracker.arms(), probe])
+        before = params.step_time(*tracker.composition())
+        after = params.step_time(*tracker.composition(probe))
         return after <= before * (1.0 + self.config.probe_max_slowdown)
 
     def _serve(self, context: Context, arm: Arm, count: int) -> None:
@@ -506,27 +506,13 @@ class SpecPilotPolicy:
                 mean_cost,
                 now,
             )
-            commitment = self._commitments[context]
-            speedups = self._speedups(
-                cls,
-                concurrency,
-                shares,
-                sampled_tokens,
-                cost_draws,
-                {
-                    **guarded,
-                    **{
-                        c: self._commitments[Context(model, c, bucket)].arm
-                        for c in classes
-                        if Context(model, c, bucket) in self._commitments
-                    },
-                },
-            )
-            commitment.speedup = float(np.mean(speedups))
-            commitment.interval = (
-                float(np.quantile(speedups, 0.1)),
-                float(np.quantile(speedups, 0.9)),
-            )
+        served = {c: self._commitments[Context(model, c, bucket)].arm for c in classes}
+        speedups = self._speedups(concurrency, shares, sampled_tokens, cost_draws, served)
+        for cls in classes:
+            commitment = self._commitments[Context(model, cls, bucket)]
+            values = speedups[cls]
+            commitment.speedup = float(np.mean(values))
+            commitment.interval = (float(np.quantile(values, 0.1)), float(np.quantile(values, 0.9)))
 
     def _guard(
         self,
@@ -539,17 +525,17 @@ class SpecPilotPolicy:
         """Turn off every class whose speculation does not surely pay for the bucket."""
         guarded = dict(assignment)
         unsafe: set[str] = set()
+        worlds = [(sampled_tokens(i), cost) for i, cost in enumerate(cost_draws)]
+        current = [steady_goodput(concurrency, shares, t, guarded, c) for t, c in worlds]
         for cls in sorted(assignment):
             if guarded[cls].is_off:
                 continue
-            ratios = []
-            for index, cost in enumerate(cost_draws):
-                tokens = sampled_tokens(index)
-                with_arm = steady_goodput(concurrency, shares, tokens, guarded, cost)
-                without = steady_goodput(concurrency, shares, tokens, {**guarded, cls: OFF}, cost)
-                ratios.append(with_arm / without if without > 0 else 0.0)
+            without_cls = {**guarded, cls: OFF}
+            without = [steady_goodput(concurrency, shares, t, without_cls, c) for t, c in worlds]
+            ratios = [a / b if b > 0 else 0.0 for a, b in zip(current, without, strict=True)]
             if float(np.quantile(ratios, self.config.guard_quantile)) < 1.0:
-                guarded[cls] = OFF
+                guarded = without_cls
+                current = without
                 unsafe.add(cls)
         return guarded, unsafe
 
@@ -597,21 +583,20 @@ class SpecPilotPolicy:
 
     @staticmethod
     def _speedups(
-        cls: str,
         concurrency: float,
         shares: Mapping[str, float],
         sampled_tokens: Any,
         cost_draws: Sequence[CostParams],
         assignment: Mapping[str, Arm],
-    ) -> list[float]:
-        """Per posterior draw: the class's per-token speed-up over everything off."""
-        out = []
-        arm = assignment.get(cls, OFF)
+    ) -> dict[str, list[float]]:
+        """Per class, per posterior draw: per-token speed-up over everything off."""
+        out: dict[str, list[float]] = {cls: [] for cls in assignment}
         for index, cost in enumerate(cost_draws):
             tokens = sampled_tokens(index)
             _, step = steady_state(concurrency, shares, tokens, assignment, cost)
             _, plain = steady_state(concurrency, shares, tokens, {}, cost)
-            out.append(tokens(cls, arm) * plain / step)
+            for cls, arm in assignment.items():
+                out[cls].append(tokens(cls, arm) * plain / step)
         return out
 
     def _override_for(self, context: Context) -> Override | None:

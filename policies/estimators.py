@@ -134,6 +134,7 @@ class AcceptanceModel:
         self.successes = np.array(state["successes"], dtype=float)
         self.trials = np.array(state["trials"], dtype=float)
         self.updated_at = state["updated_at"]
+        self._fitted = None
         self.requests = float(state["requests"])
 
 
@@ -249,6 +250,8 @@ class StepCostModel:
         self.yty = 0.0
         self.weight = 0.0
         self.updated_at: float | None = None
+        self._fitted: tuple[FloatArray, FloatArray, FloatArray, FloatArray] | None = None
+        self._updates_since_fit = 0
 
     def features(self, verify_tokens: float, depth: dict[str, int]) -> FloatArray:
         """Design rows for every knee: (knees × dims)."""
@@ -267,6 +270,7 @@ class StepCostModel:
             self.yty *= factor
             self.weight *= factor
         self.updated_at = now
+        self._updates_since_fit += 1
         self.xtx += rows[:, :, None] * rows[:, None, :]
         self.xty += rows * step_s
         self.yty += step_s * step_s
@@ -278,6 +282,14 @@ class StepCostModel:
 
     def _fit(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
         """Per knee: coefficients, residual variance, log-likelihood, precision matrices."""
+        # Re-solving after every request would dominate the policy's cost; a fit a few
+        # requests old is as good (the model changes slowly).
+        if self._fitted is None or self._updates_since_fit >= 8:
+            self._fitted = self._solve()
+            self._updates_since_fit = 0
+        return self._fitted
+
+    def _solve(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
         dims = self.xtx.shape[1]
         scale = max(self.yty / max(self.weight, 1e-9), 1e-12)
         # Ridge: a weak prior pulling coefficients towards zero, scaled to the data.
@@ -314,7 +326,11 @@ class StepCostModel:
         out = []
         for knee_index in rng.choice(len(self._knees), size=draws, p=weights):
             covariance = variance[knee_index] * np.linalg.inv(precision[knee_index])
-            beta = rng.multivariate_normal(coefficients[knee_index], covariance)
+            try:
+                factor = np.linalg.cholesky(covariance)
+            except np.linalg.LinAlgError:
+                factor = np.diag(np.sqrt(np.maximum(np.diag(covariance), 0.0)))
+            beta = coefficients[knee_index] + factor @ rng.standard_normal(len(covariance))
             beta[0] = max(beta[0], 1e-9)
             out.append(self._params(np.maximum(beta, 0.0), float(self._knees[knee_index])))
         return out
@@ -340,6 +356,7 @@ class StepCostModel:
         self.yty = float(state["yty"])
         self.weight = float(state["weight"])
         self.updated_at = state["updated_at"]
+        self._fitted = None
 
 
 class BatchTracker:
@@ -363,15 +380,7 @@ class BatchTracker:
         self._integrals: deque[FloatArray] = deque(maxlen=history)
 
     def _rows(self) -> FloatArray:
-        verify = 0
-        depth: dict[str, int] = {}
-        for arm, count in self.counts.items():
-            if count <= 0:
-                continue
-            verify += count * arm.verify_tokens
-            if arm.proposer is not None:
-                depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
-        return self._cost.features(verify, depth)
+        return self._cost.features(*self.composition())
 
     def _advance(self, now: float) -> None:
         if self._at is not None and now > self._at:
@@ -410,6 +419,16 @@ class BatchTracker:
     def in_flight(self) -> int:
         return sum(c for c in self.counts.values() if c > 0)
 
-    def arms(self) -> list[Arm]:
-        """Every in-flight sequence's arm."""
-        return [arm for arm, count in self.counts.items() for _ in range(max(count, 0))]
+    def composition(self, extra: Arm | None = None) -> tuple[int, dict[str, int]]:
+        """(verified positions per step, deepest γ per proposer) of the batch now,
+        optionally with one more sequence on ``extra``."""
+        verify = 0
+        depth: dict[str, int] = {}
+        members = list(self.counts.items()) + ([(extra, 1)] if extra is not None else [])
+        for arm, count in members:
+            if count <= 0:
+                continue
+            verify += count * arm.verify_tokens
+            if arm.proposer is not None:
+                depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
+        return verify, depth
