@@ -14,16 +14,19 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from policies.arms import OFF, Arm, ConcurrencyBuckets
+from policies.arms import Arm, ConcurrencyBuckets
 from policies.bandit import SpecPilotPolicy
-from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, StaticPolicy
 from policies.base import Clock, Policy
+from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, StaticPolicy
+from policies.estimators import ChangeEvent
+from simulator.engine import Traffic
 from simulator.run import PolicyFactory, RunResult, simulate
 from simulator.scenario import Scenario, ScenarioError, load_scenario
 from simulator.truth import ScenarioTruth
@@ -86,9 +89,12 @@ def entrants(scenario: Scenario, seed: int = 0) -> list[Entrant]:
 
 
 def _drift_report(
-    scenario: Scenario, result: RunResult, policy: Policy
+    scenario: Scenario, result: RunResult, change_events: list[ChangeEvent]
 ) -> tuple[list[int | None], int]:
-    events = sorted(getattr(policy, "change_events", []), key=lambda e: e.at_s)
+    """Per drift event: requests of its class between the drift and the first firing
+    for that class × proposer after it (None: never fired); and the firings no drift
+    event explains."""
+    events = sorted(change_events, key=lambda e: e.at_s)
     claimed: set[int] = set()
     delays: list[int | None] = []
     for drift in sorted(scenario.drift, key=lambda d: d.at_s):
@@ -117,36 +123,64 @@ def _drift_report(
     return delays, len(events) - len(claimed)
 
 
+def _run_group(
+    scenario: Scenario, names: list[str], seed: int
+) -> dict[str, tuple[RunResult, list[ChangeEvent]]]:
+    """Run some entrants in this process, sharing one traffic draw."""
+    traffic = Traffic(scenario)
+    by_name = {e.name: e for e in entrants(scenario, seed)}
+    out: dict[str, tuple[RunResult, list[ChangeEvent]]] = {}
+    for name in names:
+        made: list[Policy] = []
+
+        def make(clock: Clock, name: str = name, made: list[Policy] = made) -> Policy:
+            policy = by_name[name].make(clock)
+            made.append(policy)
+            return policy
+
+        result = simulate(scenario, make, traffic=traffic)
+        out[name] = (result, list(getattr(made[0], "change_events", [])))
+    return out
+
+
 def run_policy_bench(
     scenario: Scenario,
     *,
     seed: int = 0,
+    jobs: int = 2,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every entrant on the scenario; the JSON-able result the CLI prints."""
+    """Run every entrant on the scenario; the JSON-able result the CLI prints.
+
+    Entrants are spread over ``jobs`` processes (round-robin in the order of
+    :func:`entrants`, which puts the expensive ones first).
+    """
     started = time.perf_counter()
-    results: dict[str, RunResult] = {}
-    specpilot_policy: list[Policy] = []
-    field = entrants(scenario, seed)
-    for index, entrant in enumerate(field):
-        if progress is not None:
-            progress(index, len(field), entrant.name)
-
-        def make(clock: Clock, entrant: Entrant = entrant) -> Policy:
-            policy = entrant.make(clock)
-            if entrant.name == "specpilot":
-                specpilot_policy.append(policy)
-            return policy
-
-        results[entrant.name] = simulate(scenario, make)
+    names = [e.name for e in entrants(scenario, seed)]
+    runs: dict[str, tuple[RunResult, list[ChangeEvent]]] = {}
     if progress is not None:
-        progress(len(field), len(field), "done")
+        progress(0, len(names), "starting")
+    if jobs <= 1:
+        for index, name in enumerate(names):
+            runs.update(_run_group(scenario, [name], seed))
+            if progress is not None:
+                progress(index + 1, len(names), name)
+    else:
+        # One entrant per task so progress moves; each task draws its own traffic.
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_run_group, scenario, [n], seed): n for n in names}
+            for index, future in enumerate(as_completed(futures)):
+                runs.update(future.result())
+                if progress is not None:
+                    progress(index + 1, len(names), futures[future])
+    results = {name: runs[name][0] for name in names}
+    change_events = runs["specpilot"][1]
     statics = {n: r for n, r in results.items() if n == "off" or n.startswith("static:")}
     best_name = max(statics, key=lambda n: statics[n].goodput)
     saturation = max(range(len(scenario.phases)), key=lambda i: scenario.phases[i].concurrency)
     specpilot, oracle, off = results["specpilot"], results["oracle"], results["off"]
     best = results[best_name]
-    delays, false_alarms = _drift_report(scenario, specpilot, specpilot_policy[0])
+    delays, false_alarms = _drift_report(scenario, specpilot, change_events)
     admissions = specpilot.admissions
 
     def summary(result: RunResult) -> dict[str, float]:
@@ -227,6 +261,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--scenario", required=True, type=Path, help="scenario YAML file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' RNGs")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="processes to run the policies in (default 2)"
+    )
     parser.set_defaults(func=main)
 
 
@@ -236,7 +273,9 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ScenarioError) as exc:
         print(f"specpilot bench policy: {exc}", file=sys.stderr)
         return 2
-    report = run_policy_bench(scenario, seed=args.seed, progress=None if args.json else _bar)
+    report = run_policy_bench(
+        scenario, seed=args.seed, jobs=args.jobs, progress=None if args.json else _bar
+    )
     report["scenario"]["file"] = str(args.scenario)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"policy-{args.scenario.stem}.json").write_text(

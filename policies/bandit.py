@@ -39,7 +39,6 @@ The API the controller uses:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -56,11 +55,31 @@ from policies.estimators import (
     ChangeEvent,
     StepCostModel,
 )
-from policies.fleet import CostParams, best_assignment, steady_goodput, steady_state
+from policies.fleet import (
+    CostDraws,
+    CostParams,
+    FloatArray,
+    TokensPerStep,
+    best_assignment,
+    steady_goodput,
+    steady_state,
+    steady_state_draws,
+)
 
 DEFAULT_MODEL = "default"
+# Selections over which the exploration rate is averaged.
+_EXPLORE_WINDOW = 200.0
 DEFAULT_CLASS = "default"
 WILDCARD = "*"
+
+
+def _quantile(values: FloatArray, q: float) -> float:
+    """Linear-interpolated quantile of a small sample (``np.quantile`` costs 50× more)."""
+    ordered = np.sort(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +91,16 @@ class BanditConfig:
     """Evidence loses half its weight in this time."""
     dwell_s: float = 60.0
     """A context keeps a committed arm at least this long (unless turning off)."""
-    hysteresis: float = 0.01
-    """A new arm must be predicted this much better (relative goodput of the bucket)
-    to replace a committed one."""
+    hysteresis: float = 0.02
+    """A new arm replaces a committed one when predicted to raise the bucket's goodput
+    by this much (relative), or its class's own speed-up by this much without lowering
+    the bucket's goodput."""
     explore_cap: float = 0.08
     """At most this share of requests is served by an arm other than the committed one."""
     guard_quantile: float = 0.1
     """A class speculates only if this posterior quantile of its goodput effect is >= 1."""
     posterior_draws: int = 16
-    refresh_observations: int = 25
+    refresh_observations: int = 40
     """Re-plan a bucket after this many new observations of its model…"""
     refresh_s: float = 60.0
     """…or after this long, whichever comes first."""
@@ -150,6 +170,7 @@ class _Plan:
     at: float
     observations: int
     thompson: dict[str, Arm]
+    probe_ok: dict[str, bool] = field(default_factory=dict)
 
 
 class SpecPilotPolicy:
@@ -189,6 +210,7 @@ class SpecPilotPolicy:
         self._overrides: list[Override] = []
         self.selected = 0
         self.explored = 0
+        self._explore_rate = 0.0
         self.change_events: list[ChangeEvent] = []
 
     # -- the controller's API ------------------------------------------------------
@@ -203,7 +225,6 @@ class SpecPilotPolicy:
     def choose(self, context: Context) -> Decision:
         """Per-request decision: the committed arm, or an exploration arm."""
         decision = self.decide(context)
-        self.selected += 1
         class_key = (context.model, context.workload_class)
         count = self._class_requests.get(class_key, 0) + 1
         self._class_requests[class_key] = count
@@ -211,8 +232,8 @@ class SpecPilotPolicy:
             candidate = self._exploration_arm(context, decision.arm, count)
             if candidate is not None:
                 arm, reason = candidate
-                self.explored += 1
                 decision = Decision(context, arm, reason, explored=True)
+        self._count_selection(decision.explored)
         self._serve(context, decision.arm, count)
         return decision
 
@@ -294,7 +315,14 @@ class SpecPilotPolicy:
     # -- exploration ---------------------------------------------------------------
 
     def _may_explore(self) -> bool:
-        return self.explored + 1 <= self.config.explore_cap * (self.selected + 1)
+        # A moving rate, not a lifetime count: a quiet stretch must not bank budget
+        # that is then spent in one burst.
+        return self._explore_rate < self.config.explore_cap
+
+    def _count_selection(self, explored: bool) -> None:
+        self.selected += 1
+        self.explored += explored
+        self._explore_rate += (float(explored) - self._explore_rate) / _EXPLORE_WINDOW
 
     def _exploration_arm(
         self, context: Context, committed: Arm, count: int
@@ -308,24 +336,24 @@ class SpecPilotPolicy:
             if proposer == committed.proposer:
                 continue
             last = self._last_served.get((context.model, context.workload_class, proposer), 0)
-            if count - last >= self.config.probe_every:
-                probe = Arm(proposer, min(self._gammas[proposer]))
-                if self._probe_is_cheap(context.model, probe):
-                    return probe, "probe"
+            if count - last >= self.config.probe_every and (
+                plan is None or plan.probe_ok.get(proposer, True)
+            ):
+                return Arm(proposer, min(self._gammas[proposer])), "probe"
         return None
 
-    def _probe_is_cheap(self, model: str, probe: Arm) -> bool:
-        """Whether one more sequence on ``probe`` slows the batch by at most
-        ``probe_max_slowdown``: a proposer nobody else uses makes every sequence wait
-        for its drafting, which at high load costs more than the probe can tell."""
-        cost_model = self._cost.get(model)
-        tracker = self._trackers.get(model)
-        if cost_model is None or not cost_model.ready or tracker is None:
-            return True
-        params = cost_model.mean_params()
-        before = params.step_time(*tracker.composition())
-        after = params.step_time(*tracker.composition(probe))
-        return after <= before * (1.0 + self.config.probe_max_slowdown)
+    def _cheap_probes(self, model: str, cost: CostParams) -> dict[str, bool]:
+        """Per proposer: whether one more sequence on its smallest γ slows the batch by
+        at most ``probe_max_slowdown``. A proposer nobody else uses makes every sequence
+        wait for its drafting, which at high load costs more than the probe can tell."""
+        tracker = self._tracker(model)
+        before = cost.step_time(*tracker.composition())
+        out = {}
+        for proposer in self.proposers:
+            probe = Arm(proposer, min(self._gammas[proposer]))
+            after = cost.step_time(*tracker.composition(probe))
+            out[proposer] = after <= before * (1.0 + self.config.probe_max_slowdown)
+        return out
 
     def _serve(self, context: Context, arm: Arm, count: int) -> None:
         tracker = self._tracker(context.model)
@@ -446,60 +474,65 @@ class SpecPilotPolicy:
         return observed if observed is not None else self.config.buckets.representative(bucket)
 
     def _plan(self, model: str, bucket: str, now: float, observations: int) -> None:
-        shares = {c: s for c, s in self._token_shares.get(model, {}).items() if s > 0}
+        """Re-plan one bucket: draw worlds, pick arms jointly, guard, commit."""
+        shares = {c: v for c, v in self._token_shares.get(model, {}).items() if v > 0}
         cost_model = self._cost.get(model)
         if not shares or cost_model is None or not cost_model.ready:
             self._plans[(model, bucket)] = _Plan(now, observations, {})
             return
         draws = self.config.posterior_draws
         classes = sorted(shares)
-        mean_e: dict[tuple[str, str], np.ndarray[Any, np.dtype[np.float64]]] = {}
-        sample_e: dict[tuple[str, str], np.ndarray[Any, np.dtype[np.float64]]] = {}
+        # Expected tokens per step for every class × arm: posterior means and draws.
+        mean_e: dict[tuple[str, Arm], float] = {}
+        drawn_e: dict[tuple[str, Arm], FloatArray] = {}
         for cls in classes:
             for proposer in self.proposers:
                 acceptance = self._acceptance_model((model, cls, proposer))
-                mean_e[(cls, proposer)] = AcceptanceModel.expected_tokens(
-                    acceptance.mean_conditionals()
-                )
-                sample_e[(cls, proposer)] = AcceptanceModel.expected_tokens(
+                means = AcceptanceModel.expected_tokens(acceptance.mean_conditionals())
+                drawn = AcceptanceModel.expected_tokens(
                     acceptance.sample_conditionals(self.rng, draws)
                 )
+                for gamma in self._gammas[proposer]:
+                    mean_e[(cls, Arm(proposer, gamma))] = float(means[gamma])
+                    drawn_e[(cls, Arm(proposer, gamma))] = drawn[:, gamma]
 
         def mean_tokens(cls: str, arm: Arm) -> float:
-            if arm.proposer is None:
-                return 1.0
-            return float(mean_e[(cls, arm.proposer)][arm.gamma])
+            return 1.0 if arm.proposer is None else mean_e[(cls, arm)]
 
-        def sampled_tokens(index: int) -> Any:
-            def tokens(cls: str, arm: Arm) -> float:
-                if arm.proposer is None:
-                    return 1.0
-                return float(sample_e[(cls, arm.proposer)][index, arm.gamma])
-
-            return tokens
+        def first_draw_tokens(cls: str, arm: Arm) -> float:
+            return 1.0 if arm.proposer is None else float(drawn_e[(cls, arm)][0])
 
         concurrency = self._concurrency(model, bucket)
         mean_cost = cost_model.mean_params()
         cost_draws = cost_model.sample_params(self.rng, draws)
+        worlds = CostDraws.stack(cost_draws)
         committed = {
             cls: c.arm
             for cls in classes
             if (c := self._commitments.get(Context(model, cls, bucket))) is not None
         }
         best = best_assignment(concurrency, shares, mean_tokens, self.arms, mean_cost, committed)
-        guarded, unsafe = self._guard(concurrency, shares, best, sampled_tokens, cost_draws)
+        guarded, unsafe = self._guard(concurrency, shares, best, drawn_e, worlds)
         thompson = best_assignment(
-            concurrency, shares, sampled_tokens(0), self.arms, cost_draws[0], guarded
+            concurrency, shares, first_draw_tokens, self.arms, cost_draws[0], guarded
         )
-        self._plans[(model, bucket)] = _Plan(now, observations, thompson)
+        probe_ok = self._cheap_probes(model, mean_cost)
+        self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
+        # The live assignment is guarded too: a committed class whose speculation no
+        # longer surely pays turns off now, whatever its dwell time.
+        live = {cls: committed.get(cls, guarded[cls]) for cls in classes}
+        _, unsafe_live = self._guard(concurrency, shares, live, drawn_e, worlds)
+        plan_gain = steady_goodput(concurrency, shares, mean_tokens, guarded, mean_cost) / max(
+            steady_goodput(concurrency, shares, mean_tokens, live, mean_cost), 1e-12
+        )
         for cls in classes:
-            context = Context(model, cls, bucket)
             self._commit(
-                context,
+                Context(model, cls, bucket),
                 cls,
                 guarded,
-                unsafe,
-                committed,
+                unsafe | unsafe_live,
+                live,
+                plan_gain,
                 concurrency,
                 shares,
                 mean_tokens,
@@ -507,33 +540,36 @@ class SpecPilotPolicy:
                 now,
             )
         served = {c: self._commitments[Context(model, c, bucket)].arm for c in classes}
-        speedups = self._speedups(concurrency, shares, sampled_tokens, cost_draws, served)
-        for cls in classes:
+        _, step = steady_state_draws(concurrency, shares, drawn_e, served, worlds)
+        _, plain = steady_state_draws(concurrency, shares, drawn_e, {}, worlds)
+        for cls, arm in served.items():
+            # Per-token speed-up of the class over everything off at this concurrency.
+            tokens = drawn_e[(cls, arm)] if arm.proposer is not None else 1.0
+            values = tokens * plain / step
             commitment = self._commitments[Context(model, cls, bucket)]
-            values = speedups[cls]
             commitment.speedup = float(np.mean(values))
-            commitment.interval = (float(np.quantile(values, 0.1)), float(np.quantile(values, 0.9)))
+            commitment.interval = (_quantile(values, 0.1), _quantile(values, 0.9))
 
     def _guard(
         self,
         concurrency: float,
         shares: Mapping[str, float],
         assignment: Mapping[str, Arm],
-        sampled_tokens: Any,
-        cost_draws: Sequence[CostParams],
+        drawn_e: Mapping[tuple[str, Arm], FloatArray],
+        worlds: CostDraws,
     ) -> tuple[dict[str, Arm], set[str]]:
-        """Turn off every class whose speculation does not surely pay for the bucket."""
+        """Turn off every class whose speculation does not surely pay for the bucket:
+        the ``guard_quantile`` of its effect on goodput over posterior draws must be ≥ 1."""
         guarded = dict(assignment)
         unsafe: set[str] = set()
-        worlds = [(sampled_tokens(i), cost) for i, cost in enumerate(cost_draws)]
-        current = [steady_goodput(concurrency, shares, t, guarded, c) for t, c in worlds]
+        current, _ = steady_state_draws(concurrency, shares, drawn_e, guarded, worlds)
         for cls in sorted(assignment):
             if guarded[cls].is_off:
                 continue
             without_cls = {**guarded, cls: OFF}
-            without = [steady_goodput(concurrency, shares, t, without_cls, c) for t, c in worlds]
-            ratios = [a / b if b > 0 else 0.0 for a, b in zip(current, without, strict=True)]
-            if float(np.quantile(ratios, self.config.guard_quantile)) < 1.0:
+            without, _ = steady_state_draws(concurrency, shares, drawn_e, without_cls, worlds)
+            ratios = current / np.maximum(without, 1e-12)
+            if _quantile(ratios, self.config.guard_quantile) < 1.0:
                 guarded = without_cls
                 current = without
                 unsafe.add(cls)
@@ -545,13 +581,21 @@ class SpecPilotPolicy:
         cls: str,
         guarded: Mapping[str, Arm],
         unsafe: set[str],
-        committed: Mapping[str, Arm],
+        live: Mapping[str, Arm],
+        plan_gain: float,
         concurrency: float,
         shares: Mapping[str, float],
-        mean_tokens: Any,
+        mean_tokens: TokensPerStep,
         mean_cost: CostParams,
         now: float,
     ) -> None:
+        """Move a context's committed arm towards the plan, within dwell and hysteresis.
+
+        A switch happens when the whole plan beats the live assignment by the margin
+        (classes move together: one class alone may gain too little to move while all
+        of them together gain a lot), or when this class's own speed-up gains the
+        margin without the bucket losing. Turning off for safety never waits.
+        """
         candidate = guarded[cls]
         current = self._commitments.get(context)
         if current is None:
@@ -559,45 +603,31 @@ class SpecPilotPolicy:
                 candidate, now, "guard_off" if cls in unsafe else "best"
             )
             return
+        if cls in unsafe and not current.arm.is_off and candidate.is_off:
+            self._commitments[context] = _Commitment(OFF, now, "guard_off")
+            return
         if candidate == current.arm:
             current.reason = "guard_off" if cls in unsafe else "best"
-            return
-        if cls in unsafe and candidate.is_off:
-            # Safety never waits for the dwell time.
-            self._commitments[context] = _Commitment(OFF, now, "guard_off")
             return
         if now - current.since < self.config.dwell_s:
             current.reason = "dwell"
             return
-        others = {**guarded, **committed}
-        new = steady_goodput(
-            concurrency, shares, mean_tokens, {**others, cls: candidate}, mean_cost
+        margin = 1.0 + self.config.hysteresis
+        if plan_gain >= margin:
+            self._commitments[context] = _Commitment(candidate, now, "best")
+            return
+        moved = {**live, cls: candidate}
+        new_goodput, new_step = steady_state(concurrency, shares, mean_tokens, moved, mean_cost)
+        old_goodput, old_step = steady_state(concurrency, shares, mean_tokens, live, mean_cost)
+        own_gain = (mean_tokens(cls, candidate) / new_step) / (
+            mean_tokens(cls, current.arm) / old_step
         )
-        old = steady_goodput(
-            concurrency, shares, mean_tokens, {**others, cls: current.arm}, mean_cost
-        )
-        if new >= old * (1.0 + self.config.hysteresis):
+        if new_goodput >= old_goodput * margin or (
+            own_gain >= margin and new_goodput >= old_goodput
+        ):
             self._commitments[context] = _Commitment(candidate, now, "best")
         else:
             current.reason = "hysteresis"
-
-    @staticmethod
-    def _speedups(
-        concurrency: float,
-        shares: Mapping[str, float],
-        sampled_tokens: Any,
-        cost_draws: Sequence[CostParams],
-        assignment: Mapping[str, Arm],
-    ) -> dict[str, list[float]]:
-        """Per class, per posterior draw: per-token speed-up over everything off."""
-        out: dict[str, list[float]] = {cls: [] for cls in assignment}
-        for index, cost in enumerate(cost_draws):
-            tokens = sampled_tokens(index)
-            _, step = steady_state(concurrency, shares, tokens, assignment, cost)
-            _, plain = steady_state(concurrency, shares, tokens, {}, cost)
-            for cls, arm in assignment.items():
-                out[cls].append(tokens(cls, arm) * plain / step)
-        return out
 
     def _override_for(self, context: Context) -> Override | None:
         best: Override | None = None
@@ -710,6 +740,7 @@ class SpecPilotPolicy:
                         "at": p.at,
                         "observations": p.observations,
                         "thompson": {c: str(a) for c, a in sorted(p.thompson.items())},
+                        "probe_ok": dict(sorted(p.probe_ok.items())),
                     },
                 ]
                 for k, p in sorted(self._plans.items())
@@ -734,6 +765,7 @@ class SpecPilotPolicy:
             ],
             "selected": self.selected,
             "explored": self.explored,
+            "explore_rate": self._explore_rate,
             "change_events": [asdict(e) for e in self.change_events],
         }
 
@@ -768,7 +800,10 @@ class SpecPilotPolicy:
         self._observations = dict(state["observations"])
         self._plans = {
             (k[0], k[1]): _Plan(
-                p["at"], p["observations"], {c: Arm.parse(a) for c, a in p["thompson"].items()}
+                p["at"],
+                p["observations"],
+                {c: Arm.parse(a) for c, a in p["thompson"].items()},
+                dict(p["probe_ok"]),
             )
             for k, p in state["plans"]
         }
@@ -778,7 +813,7 @@ class SpecPilotPolicy:
                 -math.inf if m["since"] is None else m["since"],
                 m["reason"],
                 m["speedup"],
-                tuple(m["interval"]) if m["interval"] else None,  # type: ignore[arg-type]
+                (m["interval"][0], m["interval"][1]) if m["interval"] else None,
             )
             for c, m in state["commitments"]
         }
@@ -787,4 +822,5 @@ class SpecPilotPolicy:
         self._overrides = [Override(o[0], o[1], o[2], Arm.parse(o[3])) for o in state["overrides"]]
         self.selected = int(state["selected"])
         self.explored = int(state["explored"])
+        self._explore_rate = float(state["explore_rate"])
         self.change_events = [ChangeEvent(**e) for e in state["change_events"]]

@@ -91,27 +91,33 @@ class AcceptanceModel:
         self.trials[:] = 0.0
         self.requests = 0.0
 
-    def mean_conditionals(self) -> FloatArray:
-        out = np.empty(self.positions)
+    def _beta_parameters(self) -> tuple[FloatArray, FloatArray]:
+        """Posterior Beta(a, b) per position; each prior is centred on the previous
+        position's posterior mean."""
+        a = np.empty(self.positions)
+        b = np.empty(self.positions)
         centre, strength = self.prior_mean, self.prior_strength
+        successes = self.successes.tolist()
+        failures = (self.trials - self.successes).tolist()
         for i in range(self.positions):
-            a = self.successes[i] + strength * centre
-            b = self.trials[i] - self.successes[i] + strength * (1 - centre)
-            out[i] = a / (a + b)
-            centre, strength = out[i], self.chain_strength
-        return out
+            a[i] = successes[i] + strength * centre
+            b[i] = failures[i] + strength * (1.0 - centre)
+            centre, strength = a[i] / (a[i] + b[i]), self.chain_strength
+        return a, b
+
+    def mean_conditionals(self) -> FloatArray:
+        a, b = self._beta_parameters()
+        result: FloatArray = a / (a + b)
+        return result
 
     def sample_conditionals(self, rng: np.random.Generator, draws: int) -> FloatArray:
-        """``draws`` × positions samples of q, drawn down the chain."""
-        out = np.empty((draws, self.positions))
-        centre: FloatArray | float = self.prior_mean
-        strength = self.prior_strength
-        for i in range(self.positions):
-            a = self.successes[i] + strength * np.asarray(centre)
-            b = self.trials[i] - self.successes[i] + strength * (1 - np.asarray(centre))
-            out[:, i] = rng.beta(np.maximum(a, 1e-3), np.maximum(b, 1e-3), size=draws)
-            centre, strength = out[:, i], self.chain_strength
-        return out
+        """``draws`` × positions samples of q."""
+        a, b = self._beta_parameters()
+        shape = (draws, self.positions)
+        result: FloatArray = rng.beta(
+            np.broadcast_to(np.maximum(a, 1e-3), shape), np.broadcast_to(np.maximum(b, 1e-3), shape)
+        )
+        return result
 
     @staticmethod
     def expected_tokens(conditionals: FloatArray) -> FloatArray:
@@ -134,7 +140,6 @@ class AcceptanceModel:
         self.successes = np.array(state["successes"], dtype=float)
         self.trials = np.array(state["trials"], dtype=float)
         self.updated_at = state["updated_at"]
-        self._fitted = None
         self.requests = float(state["requests"])
 
 
@@ -155,22 +160,24 @@ class ChangeDetector:
 
     First-position acceptance (accepted at position 0 / drafts) does not depend on the
     γ a request ran with, so switching γ never looks like a drift. The baseline mean
-    and spread come from the first ``warmup`` requests after a (re)start; scores are
-    standardised and clipped (one odd request cannot fire it alone). ``slack`` (in
-    standard deviations) is the shift size below which evidence does not accumulate,
-    ``threshold`` the accumulated evidence that fires: with slack 1 and threshold 10
-    the in-control run length is in the millions of requests, while a shift of three
-    standard deviations fires within a handful.
+    and spread come from the first ``warmup`` requests after a (re)start and keep being
+    refined by every request while the detector is in control (so an unlucky warm-up
+    does not turn into false alarms later). Scores are standardised and clipped (one
+    odd request cannot fire it alone). ``slack`` (in standard deviations) is the shift
+    below which evidence does not accumulate, ``threshold`` the evidence that fires:
+    with slack 1 and threshold 12 the in-control run length is far beyond any
+    realistic stream, while a shift of three standard deviations fires within five
+    to seven requests.
     """
 
     def __init__(
         self,
         *,
-        warmup: int = 15,
+        warmup: int = 30,
         slack: float = 1.0,
-        threshold: float = 10.0,
+        threshold: float = 12.0,
         clip: float = 4.0,
-        min_spread: float = 0.03,
+        min_spread: float = 0.04,
     ) -> None:
         self.warmup = warmup
         self.slack = slack
@@ -180,45 +187,58 @@ class ChangeDetector:
         self.reset()
 
     def reset(self) -> None:
-        self.samples: list[float] = []
-        self.baseline: float | None = None
-        self.spread: float = 0.0
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
         self.high = 0.0
         self.low = 0.0
         self.recent: float | None = None
 
+    @property
+    def baseline(self) -> float | None:
+        return self.mean if self.count >= self.warmup else None
+
+    @property
+    def spread(self) -> float:
+        variance = self.m2 / (self.count - 1) if self.count > 1 else 0.0
+        return max(math.sqrt(variance), self.min_spread)
+
+    def _learn(self, value: float) -> None:
+        # Welford's running mean and variance.
+        self.count += 1
+        delta = value - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (value - self.mean)
+
     def update(self, value: float) -> bool:
-        """Feed one request's value; True when a change is detected (then re-baselines)."""
+        """Feed one request's value; True when a change is detected."""
         self.recent = value if self.recent is None else 0.8 * self.recent + 0.2 * value
-        if self.baseline is None:
-            self.samples.append(value)
-            if len(self.samples) >= self.warmup:
-                array = np.array(self.samples)
-                median = float(np.median(array))
-                # Median absolute deviation: robust to an odd request in the warm-up.
-                mad = float(np.median(np.abs(array - median))) * 1.4826
-                self.baseline = float(array.mean())
-                self.spread = max(mad, float(array.std()), self.min_spread)
+        if self.count < self.warmup:
+            self._learn(value)
             return False
-        z = max(-self.clip, min(self.clip, (value - self.baseline) / self.spread))
+        z = max(-self.clip, min(self.clip, (value - self.mean) / self.spread))
         self.high = max(0.0, self.high + z - self.slack)
         self.low = max(0.0, self.low - z - self.slack)
-        return self.high > self.threshold or self.low > self.threshold
+        if self.high > self.threshold or self.low > self.threshold:
+            return True
+        if max(self.high, self.low) < self.slack:
+            self._learn(value)
+        return False
 
     def to_state(self) -> dict[str, Any]:
         return {
-            "samples": list(self.samples),
-            "baseline": self.baseline,
-            "spread": self.spread,
+            "count": self.count,
+            "mean": self.mean,
+            "m2": self.m2,
             "high": self.high,
             "low": self.low,
             "recent": self.recent,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.samples = [float(x) for x in state["samples"]]
-        self.baseline = state["baseline"]
-        self.spread = float(state["spread"])
+        self.count = int(state["count"])
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
         self.high = float(state["high"])
         self.low = float(state["low"])
         self.recent = state["recent"]
@@ -251,7 +271,7 @@ class StepCostModel:
         self.weight = 0.0
         self.updated_at: float | None = None
         self._fitted: tuple[FloatArray, FloatArray, FloatArray, FloatArray] | None = None
-        self._updates_since_fit = 0
+        self._mean_params: CostParams | None = None
 
     def features(self, verify_tokens: float, depth: dict[str, int]) -> FloatArray:
         """Design rows for every knee: (knees × dims)."""
@@ -270,7 +290,8 @@ class StepCostModel:
             self.yty *= factor
             self.weight *= factor
         self.updated_at = now
-        self._updates_since_fit += 1
+        self._fitted = None
+        self._mean_params = None
         self.xtx += rows[:, :, None] * rows[:, None, :]
         self.xty += rows * step_s
         self.yty += step_s * step_s
@@ -282,11 +303,8 @@ class StepCostModel:
 
     def _fit(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
         """Per knee: coefficients, residual variance, log-likelihood, precision matrices."""
-        # Re-solving after every request would dominate the policy's cost; a fit a few
-        # requests old is as good (the model changes slowly).
-        if self._fitted is None or self._updates_since_fit >= 8:
+        if self._fitted is None:
             self._fitted = self._solve()
-            self._updates_since_fit = 0
         return self._fitted
 
     def _solve(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
@@ -306,7 +324,12 @@ class StepCostModel:
             self.weight - dims, 1.0
         )
         log_likelihood = -0.5 * self.weight * np.log(variance)
-        return coefficients, np.asarray(variance), np.asarray(log_likelihood), precision
+        return (
+            np.asarray(coefficients, dtype=np.float64),
+            np.asarray(variance, dtype=np.float64),
+            np.asarray(log_likelihood, dtype=np.float64),
+            precision,
+        )
 
     def knee_weights(self) -> FloatArray:
         _, _, log_likelihood, _ = self._fit()
@@ -315,9 +338,12 @@ class StepCostModel:
         return result
 
     def mean_params(self) -> CostParams:
-        coefficients, _, log_likelihood, _ = self._fit()
-        best = int(np.argmax(log_likelihood))
-        return self._params(coefficients[best], float(self._knees[best]))
+        fitted = self._fit()
+        if self._mean_params is None:
+            coefficients, _, log_likelihood, _ = fitted
+            best = int(np.argmax(log_likelihood))
+            self._mean_params = self._params(coefficients[best], float(self._knees[best]))
+        return self._mean_params
 
     def sample_params(self, rng: np.random.Generator, draws: int) -> list[CostParams]:
         coefficients, variance, log_likelihood, precision = self._fit()
@@ -357,6 +383,7 @@ class StepCostModel:
         self.weight = float(state["weight"])
         self.updated_at = state["updated_at"]
         self._fitted = None
+        self._mean_params = None
 
 
 class BatchTracker:

@@ -51,7 +51,7 @@ class Traffic:
 
     Request ``index`` of ``stream`` always has the same class, length and random draws,
     whatever time it is issued at; only a drift in force at issue time changes its
-    acceptance.
+    acceptance. One instance may serve several runs (it remembers what it drew).
     """
 
     def __init__(self, scenario: Scenario) -> None:
@@ -65,18 +65,25 @@ class Traffic:
         self._change_times = sorted({d.at_s for d in scenario.drift})
         self._quantiles: dict[tuple[int, str], list[npt.NDArray[np.float64] | None]] = {}
         self._streams: dict[int, tuple[int, np.random.Generator | None]] = {}
+        # Content already drawn, so several runs over one Traffic draw each request once.
+        self._drawn: dict[
+            tuple[int, int], tuple[int, int, npt.NDArray[np.float64], list[float]]
+        ] = {}
         self._next_id = 0
 
     def request(self, stream: int, index: int, t: float) -> SimRequest:
         """Request ``index`` of ``stream``; streams are read in order (0, 1, 2, …)."""
-        issued, rng = self._streams.get(stream, (0, None))
-        if rng is None or index != issued:
-            # Each stream is its own generator; jumping to an index replays the stream.
-            rng = np.random.default_rng((self._scenario.seed, stream))
-            for _ in range(index):
-                self._draw(rng)
-        position, output_tokens, uniforms, alpha_draws = self._draw(rng)
-        self._streams[stream] = (index + 1, rng)
+        content = self._drawn.get((stream, index))
+        if content is None:
+            issued, rng = self._streams.get(stream, (0, None))
+            if rng is None or index != issued:
+                # Each stream is its own generator; jumping to an index replays it.
+                rng = np.random.default_rng((self._scenario.seed, stream))
+                for _ in range(index):
+                    self._draw(rng)
+            content = self._drawn[(stream, index)] = self._draw(rng)
+            self._streams[stream] = (index + 1, rng)
+        position, output_tokens, uniforms, alpha_draws = content
         cls = self._classes[position]
         alpha: dict[str, float] = {}
         tables = self._quantile_tables(cls, t)
@@ -155,14 +162,18 @@ def plan_request(request: SimRequest, arm: Arm, position_decay: float) -> Plan:
     alpha = request.alpha.get(arm.proposer, 0.0)
     k = np.arange(1, arm.gamma + 1)
     survival = alpha**k * position_decay ** (k * (k - 1) / 2.0)
-    accepted = (request.uniforms[:, None] < survival[None, :]).sum(axis=1)
+    # Drafts accepted in a step: how many survival levels lie above its uniform
+    # (survival decreases with k, so search the reversed, ascending array).
+    accepted = arm.gamma - np.searchsorted(survival[::-1], request.uniforms, side="right")
     emitted = np.cumsum(accepted + 1)
     steps = int(np.searchsorted(emitted, n)) + 1
     used = accepted[:steps]
     counts = np.bincount(used, minlength=arm.gamma + 1)
     # Steps accepting more than i drafts: reverse cumulative counts from position i+1.
-    per_position = tuple(int(x) for x in np.cumsum(counts[::-1])[::-1][1:])
-    return Plan(steps, np.minimum(emitted[:steps], n), per_position, int(used.sum()))
+    per_position = np.cumsum(counts[::-1])[::-1][1:].tolist()
+    emitted_used = emitted[:steps]
+    emitted_used[-1] = n
+    return Plan(steps, emitted_used, tuple(per_position), int(used.sum()))
 
 
 @dataclass(slots=True, eq=False)

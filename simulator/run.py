@@ -65,18 +65,20 @@ def simulate(
     make_policy: PolicyFactory,
     buckets: ConcurrencyBuckets | None = None,
     progress: Callable[[float], None] | None = None,
+    traffic: Traffic | None = None,
 ) -> RunResult:
     """Serve the scenario's traffic with one policy; deterministic for a given seed.
 
     Streams are closed loops: stream i is active while the phase's concurrency exceeds
     i, and issues its next request as soon as the previous one finishes. A stream that
     becomes inactive finishes its request first. ``progress`` gets the fraction of
-    simulated time done, now and then.
+    simulated time done, now and then. Passing the same ``traffic`` to several runs of
+    one scenario saves drawing the requests again.
     """
     buckets = buckets or ConcurrencyBuckets()
     engine = Engine(scenario.cost, scenario.model.name, scenario.model.position_decay)
     policy = make_policy(SimClock(engine))
-    traffic = Traffic(scenario)
+    traffic = traffic or Traffic(scenario)
     max_streams = max(p.concurrency for p in scenario.phases)
     # Idle streams, highest first, so the lowest-numbered idle stream is popped first.
     idle = list(range(max_streams - 1, -1, -1))

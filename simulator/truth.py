@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from functools import lru_cache
+from functools import cache
 
 from policies.arms import Arm
 from policies.base import Clock
@@ -57,7 +57,7 @@ class ScenarioTruth:
             for p in scenario.proposers
         }
 
-        @lru_cache(maxsize=None)
+        @cache
         def tokens(cls: str, arm: Arm) -> float:
             if arm.proposer is None:
                 return 1.0
