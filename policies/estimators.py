@@ -161,8 +161,10 @@ class ChangeDetector:
     First-position acceptance (accepted at position 0 / drafts) does not depend on the
     γ a request ran with, so switching γ never looks like a drift. The baseline mean
     and spread come from the first ``warmup`` requests after a (re)start and keep being
-    refined by every request while the detector is in control (so an unlucky warm-up
-    does not turn into false alarms later). Scores are standardised and clipped (one
+    refined by every later request (a self-starting CUSUM): the first requests to
+    finish are the fast ones, with high acceptance, so a frozen warm-up baseline would
+    be biased and later turn into false alarms; after the warm-up each request moves
+    the baseline by at most 1/count, too little to mask an abrupt change. Scores are standardised and clipped (one
     odd request cannot fire it alone). ``slack`` (in standard deviations) is the shift
     below which evidence does not accumulate, ``threshold`` the evidence that fires:
     with slack 1 and threshold 12 the in-control run length is far beyond any
@@ -221,8 +223,7 @@ class ChangeDetector:
         self.low = max(0.0, self.low - z - self.slack)
         if self.high > self.threshold or self.low > self.threshold:
             return True
-        if max(self.high, self.low) < self.slack:
-            self._learn(value)
+        self._learn(value)
         return False
 
     def to_state(self) -> dict[str, Any]:
