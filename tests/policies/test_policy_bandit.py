@@ -6,13 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from policy_sim import run_specpilot, scenario
 
 from policies.arms import OFF, Arm, Context
 from policies.bandit import SpecPilotPolicy
 from policies.baselines import StaticPolicy
 from simulator.run import simulate
-
-from policy_sim import run_specpilot, scenario
 
 
 def test_converges_to_the_right_proposer_per_class() -> None:
