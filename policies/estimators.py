@@ -167,9 +167,9 @@ class ChangeDetector:
     the baseline by at most 1/count, too little to mask an abrupt change. Scores are
     standardised and clipped (one odd request cannot fire it alone). ``slack`` (in
     standard deviations) is the shift below which evidence does not accumulate,
-    ``threshold`` the evidence that fires: with slack 1 and threshold 12 the in-control run length is far beyond any
-    realistic stream, while a shift of three standard deviations fires within five
-    to seven requests.
+    ``threshold`` the evidence that fires: with slack 1 and threshold 12 the in-control
+    run length is far beyond any realistic stream, while a shift of three standard
+    deviations fires within five to seven requests.
     """
 
     def __init__(
