@@ -229,10 +229,13 @@ class Engine:
                 total += int(flight.plan.emitted_cumulative[done - 1])
         return total
 
-    def add(self, request: SimRequest, arm: Arm) -> None:
+    def add(self, request: SimRequest, arm: Arm, concurrency: int | None = None) -> None:
+        """Admit a request now. ``concurrency`` is what its observation reports as in
+        flight at its start (default: the batch including it)."""
         plan = plan_request(request, arm, self.position_decay)
         self._sequence += 1
-        flight = _Flight(request, arm, plan, self.now, len(self._flights) + 1, self.steps_run)
+        seen = concurrency if concurrency is not None else len(self._flights) + 1
+        flight = _Flight(request, arm, plan, self.now, seen, self.steps_run)
         self._flights[self._sequence] = flight
         heapq.heappush(self._finish_heap, (self.steps_run + plan.steps, self._sequence))
         self._awaiting_first_token.append(flight)

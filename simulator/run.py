@@ -95,14 +95,17 @@ def simulate(
     while engine.now < scenario.duration_s:
         now = engine.now
         active = scenario.concurrency_at(now)
+        # Requests that start at the same instant all see each other in flight.
+        starting = sum(1 for s in idle if s < active)
+        concurrency = engine.in_flight + starting
         while idle and idle[-1] < active:
             stream = idle.pop()
             request = traffic.request(stream, issued[stream], now)
             issued[stream] += 1
-            context = Context(model, request.workload_class, buckets.bucket(engine.in_flight + 1))
+            context = Context(model, request.workload_class, buckets.bucket(concurrency))
             guess = policy.best_guess(context)
             arm = policy.select(context)
-            engine.add(request, arm)
+            engine.add(request, arm, concurrency)
             result.admissions.append(Admission(now, request.workload_class, arm, arm != guess))
         horizon = min(b for b in boundaries if b > now) if now < boundaries[-1] else now
         completions = engine.advance(horizon)
