@@ -464,11 +464,7 @@ class SimInstance:
                 # Idle: the clock jumps to the first arrival, not to when this task woke
                 # up, so host scheduling delays (× speed) do not show as queueing.
                 engine.advance(self._waiting[0].arrival if self._waiting else now)
-            self._admit()
-            if not engine.in_flight:
-                # Queued requests arrived after the engine's time; let it catch up.
-                await asyncio.sleep(max(0.0, (self._waiting[0].arrival - now) / self.speed))
-                continue
+            self._admit()  # an idle engine admits at least the first arrival
             t0, step = engine.now, engine.step_time()
             completions = engine.advance(max(now, t0) + self._tick_sim)
             deliveries = [

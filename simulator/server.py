@@ -32,9 +32,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import uvicorn
@@ -54,6 +54,8 @@ from simulator.instance import (
     guess_class,
 )
 from simulator.scenario import Scenario
+
+T = TypeVar("T")
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-specpilot-sim"
 WORKLOAD_CLASS_HEADER = "X-Workload-Class"
@@ -557,7 +559,7 @@ class FleetThread:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def call(self, coroutine: Any, timeout: float = 60.0) -> Any:
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         """Run a coroutine in the fleet's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 

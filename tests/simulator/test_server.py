@@ -425,3 +425,19 @@ def test_bad_pools_are_rejected(text: str) -> None:
 def test_unknown_proposer_is_rejected_naming_it() -> None:
     with pytest.raises(ValueError, match="eagle3"):
         FleetThread(scenario(), parse_pools("x=eagle3:4"))
+
+
+def test_drift_hits_requests_issued_after_it_on_the_fleet_clock(client: httpx.Client) -> None:
+    # The fleet's clock is injected: it only moves when the test moves it (and while a
+    # request runs, since the driver sleeps in real time), so the drift is crossed
+    # exactly, whatever the machine's load.
+    now = [1000.0]
+    drifting = scenario(drift=[{"at_s": 60, "class": "code", "proposer": "ngram", "acceptance": 0}])
+    with FleetThread(drifting, parse_pools("n=ngram:4"), speed=SPEED, clock=lambda: now[0]) as f:
+        base = url(f, "n")
+        body = {"prompt": "p", "max_tokens": 24, "metadata": {"workload_class": "code"}}
+        before = post(client, base, "/v1/completions", body)
+        now[0] += 61 / SPEED
+        after = post(client, base, "/v1/completions", body)
+    assert before["metrics"]["speculative_decoding"]["draft_acceptance_rate"] > 0.5
+    assert after["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] == 0
