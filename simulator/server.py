@@ -15,7 +15,9 @@ What a request is about is simulated, not read from its text: its workload class
 from the ``X-Workload-Class`` header or ``metadata.workload_class``, else a cheap
 keyword guess, else the scenario's class mix; its length is the class's (capped by
 ``max_tokens``; absent ``max_tokens`` means the natural length, where a real
-``/v1/completions`` would default to 16); its text is filler.
+``/v1/completions`` would default to 16); its text is filler. A client that hangs up
+does not abort its request (the engine has no removal): it runs to its end, using
+batch capacity, as an unaborted request would.
 
 Not vLLM, for the simulator's operators and the managed-restart actuator:
 ``GET /sim/info`` (pool, config, start time) and ``POST /sim/restart``

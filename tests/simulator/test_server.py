@@ -328,11 +328,14 @@ def test_batch_size_table_turns_speculation_off_when_the_batch_grows(
     base = url(fleet, "tabled")
 
     async def burst(n: int) -> list[dict[str, Any]]:
+        # Open the connections first so that the requests arrive together; creative
+        # requests (about one token per step) stay in the batch long enough to overlap.
+        body = {"prompt": "p", "max_tokens": 200, "metadata": {"workload_class": "creative"}}
         async with httpx.AsyncClient(timeout=30) as http:
+            await asyncio.gather(*(http.get(base + "/health") for _ in range(n)))
             responses = await asyncio.gather(
-                *(http.post(base + "/v1/completions", json={"prompt": "p", "max_tokens": 200})
-                  for _ in range(n))
-            )  # fmt: skip
+                *(http.post(base + "/v1/completions", json=body) for _ in range(n))
+            )
         return [r.json()["metrics"]["speculative_decoding"] for r in responses]
 
     (alone,) = asyncio.run(burst(1))
