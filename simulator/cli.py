@@ -40,6 +40,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--speed", type=float, default=1.0, help="simulated s per wall s")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--seconds", type=float, help="stop after this many wall seconds")
+    serve.add_argument("--json", action="store_true", help="print the instances as JSON")
     serve.set_defaults(func=_serve)
 
     load = commands.add_parser("load", help="closed-loop load from a scenario against a URL")
@@ -70,9 +71,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"specpilot simulate serve: {exc}", file=sys.stderr)
         return 2
     with fleet:
-        configs = {name: str(i.config) for name, i in fleet.fleet.instances.items()}
-        for line in describe(fleet.info, configs):
-            print(line, flush=True)
+        instances = describe(fleet.fleet)
+        if args.json:
+            print(json.dumps({"speed": args.speed, "instances": instances}), flush=True)
+        else:
+            for i in instances:
+                print(f"{i['name']:<16} pool={i['pool']:<12} config={i['config']:<24} {i['url']}",
+                      flush=True)  # fmt: skip
         stop = threading.Event()
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait(args.seconds)

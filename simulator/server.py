@@ -34,7 +34,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -468,6 +468,7 @@ class SimFleet:
         host: str = "127.0.0.1",
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 0.01,
+        max_num_seqs: int = 256,
     ) -> None:
         for pool in pools:
             pool.config.check_against(scenario)
@@ -477,6 +478,7 @@ class SimFleet:
         self.host = host
         self._clock = clock
         self._tick_s = tick_s
+        self._max_num_seqs = max_num_seqs
         self.instances: dict[str, SimInstance] = {}
         self.info: dict[str, InstanceInfo] = {}
         self._servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
@@ -498,6 +500,7 @@ class SimFleet:
                     speed=self.speed,
                     clock=self._clock,
                     tick_s=self._tick_s,
+                    max_num_seqs=self._max_num_seqs,
                 )
                 index += 1
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -583,7 +586,10 @@ class FleetThread:
             self._loop.close()
 
 
-def describe(fleet_info: Mapping[str, InstanceInfo], configs: Mapping[str, str]) -> Iterator[str]:
-    """Lines naming each instance, its pool, config and URL (the CLI prints them)."""
-    for name, info in fleet_info.items():
-        yield f"{name:<16} pool={info.pool:<12} config={configs[name]:<24} {info.url}"
+def describe(fleet: SimFleet) -> list[dict[str, str]]:
+    """Each instance's name, pool, config and URL (what the CLI prints)."""
+    return [
+        {"name": name, "pool": info.pool, "config": str(fleet.instances[name].config),
+         "url": info.url}
+        for name, info in fleet.info.items()
+    ]  # fmt: skip

@@ -444,3 +444,25 @@ def test_drift_hits_requests_issued_after_it_on_the_fleet_clock(client: httpx.Cl
         after = post(client, base, "/v1/completions", body)
     assert before["metrics"]["speculative_decoding"]["draft_acceptance_rate"] > 0.5
     assert after["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] == 0
+
+
+def test_counters_and_gauges_move_while_requests_run(client: httpx.Client) -> None:
+    # One long class and room for one sequence: the second request must wait.
+    long_outputs = scenario(
+        classes={"essay": {"share": 1.0, "output_tokens": 4000, "acceptance": {"ngram": 0.5}}}
+    )
+    pools = parse_pools("n=ngram:4")
+    with FleetThread(long_outputs, pools, speed=SPEED, max_num_seqs=1) as f:
+        base = url(f, "n")
+        body = {"prompt": "p" * 400, "stream": True}
+        with (
+            client.stream("POST", base + "/v1/completions", json=body) as first,
+            client.stream("POST", base + "/v1/completions", json=body),
+        ):
+            next(first.iter_lines())  # the first step is out
+            (engine,) = scrape(client, base).engines.values()
+    assert engine.running == 1 and engine.waiting == 1
+    assert engine.kv_cache_usage is not None and 0 < engine.kv_cache_usage < 1
+    # Counted per step as it happens, not when the request ends.
+    assert engine.generation_tokens and engine.spec and engine.spec.drafts >= 1
+    assert engine.time_to_first_token is not None and engine.time_to_first_token.count == 1
