@@ -478,7 +478,7 @@ class SimInstance:
             delay = engine.now / self.speed - (self._clock() - self._epoch)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if engine is not self._engine:
+            if engine is not self._engine or self._down:
                 continue  # restarted while asleep: those steps never happened
             self._publish(deliveries, completions, t0, step)
 

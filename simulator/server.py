@@ -307,6 +307,8 @@ def build_app(instance: SimInstance, *, pool: str = "", name: str = "") -> FastA
     """The HTTP face of one simulated instance."""
     app = FastAPI(title=f"specpilot simulated vLLM {name}".strip(), docs_url=None, redoc_url=None)
 
+    restarting: set[asyncio.Task[None]] = set()
+
     def down() -> JSONResponse:
         return _error(503, "the simulated instance is restarting", "ServiceUnavailableError")
 
@@ -326,6 +328,8 @@ def build_app(instance: SimInstance, *, pool: str = "", name: str = "") -> FastA
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not instance.is_up:
+            return down()  # a restarting vLLM has no /metrics either
         return Response(generate_latest(instance.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def serve(request: Request, chat: bool) -> Response:
@@ -395,7 +399,9 @@ def build_app(instance: SimInstance, *, pool: str = "", name: str = "") -> FastA
         except (ValueError, TypeError) as exc:
             return _error(400, str(exc))
         if downtime > 0:
-            asyncio.get_running_loop().create_task(instance.restart(config, downtime))
+            task = asyncio.get_running_loop().create_task(instance.restart(config, downtime))
+            restarting.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(restarting.discard)
             return JSONResponse({"restarting": True, "config": str(config or instance.config)}, 202)
         await instance.restart(config)
         return JSONResponse({"restarting": False, "config": str(instance.config)})
@@ -558,7 +564,11 @@ class FleetThread:
 
     def __enter__(self) -> FleetThread:
         self._thread.start()
-        self.call(self.fleet.start())
+        try:
+            self.call(self.fleet.start())
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:

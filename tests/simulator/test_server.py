@@ -360,11 +360,14 @@ def test_an_instance_is_down_during_a_restart_with_downtime(
 ) -> None:
     base = url(fleet, "plain")
     started = client.get(base + "/sim/info").json()["process_start_time_seconds"]
-    answer = client.post(base + "/sim/restart", json={"downtime_s": 4.0})
+    # 40 simulated seconds: one wall second to check it is down (a slow machine may
+    # take a good part of that for three requests).
+    answer = client.post(base + "/sim/restart", json={"downtime_s": 40.0})
     assert answer.status_code == 202
     assert client.get(base + "/health").status_code == 503
     assert client.post(base + "/v1/completions", json={"prompt": "p"}).status_code == 503
-    for _ in range(200):
+    assert client.get(base + "/metrics").status_code == 503
+    for _ in range(500):
         if client.get(base + "/health").status_code == 200:
             break
         time.sleep(0.01)
