@@ -40,7 +40,9 @@ def scenario_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_serve_prints_one_url_per_instance_and_load_runs_against_one(scenario_file: Path) -> None:
+def test_serve_prints_one_url_per_instance_and_load_runs_against_one(
+    scenario_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     command = [sys.executable, "-c", "import sys; from tests.simulator.test_server_cli import run;"
                " sys.exit(run(sys.argv[1:]))"]  # fmt: skip
     serve = subprocess.Popen(
@@ -54,16 +56,13 @@ def test_serve_prints_one_url_per_instance_and_load_runs_against_one(scenario_fi
         fleet = json.loads(serve.stdout.readline())
         pools = [(i["pool"], i["config"]) for i in fleet["instances"]]
         assert pools == [("a", "off"), ("b", "ngram:3"), ("b", "ngram:3")]
-        load = subprocess.run(
-            [*command, "simulate", "load", "--scenario", str(scenario_file), "--speed", "20",
-             "--url", fleet["instances"][1]["url"], "--max-requests", "5"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        code = run(["simulate", "load", "--scenario", str(scenario_file), "--speed", "20",
+                    "--url", fleet["instances"][1]["url"], "--max-requests", "5"])  # fmt: skip
     finally:
         serve.terminate()
         serve.wait(timeout=30)
-    assert load.returncode == 0, load.stderr
-    summary = json.loads(load.stdout)
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["completed"] == 5 and summary["stopped_by"] == "max_requests"
     assert summary["by_class"] == {"code": 5}
 
