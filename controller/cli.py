@@ -18,6 +18,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.demo",
     "collectors.cli",
     "policies.classifier_cli",
+    "simulator.cli",
+    "bench.cli",
     "testbed.cli",
 )
 

@@ -1,0 +1,826 @@
+"""specpilot's policy: a structured, discounted Thompson-sampling bandit with guard rails.
+
+What it learns, and where each piece is shared:
+
+* acceptance per model × workload class × proposer (:class:`AcceptanceModel`), shared
+  across γ — per-position counts from a run at γ inform every γ' ≤ γ — and across
+  concurrency buckets;
+* step cost per model (:class:`StepCostModel`): plain step time, compute knee and
+  each proposer's drafting cost, from which the cost of every proposer × γ × bucket
+  follows; it is fed with the batch composition the policy itself assigned;
+* the traffic mix per model (each class's share of generated tokens).
+
+The reward of an arm for a context is the per-token latency speed-up of that class
+relative to no speculation at the same concurrency, as the fleet model predicts it;
+because classes share a batch, the arms of all classes in a bucket are chosen jointly
+(:func:`policies.fleet.best_assignment`). Thompson sampling draws a plausible world from
+the posteriors and explores the arm that world prefers; evidence is discounted with a
+half-life so the bandit keeps adapting, and a CUSUM change detector per class ×
+proposer resets acceptance that went stale.
+
+Guard rails: a class speculates only while the lower confidence bound (a posterior
+quantile) of its effect on the bucket's goodput is at least 1; a committed decision
+changes only after ``dwell_s`` and when the new arm is predicted better by
+``hysteresis`` (pushes can cost restarts), except that safety (turning off) never waits;
+exploration is capped to ``explore_cap`` of requests; operator overrides always win.
+
+The API the controller uses:
+
+* ``select(context) -> Arm`` (or ``choose`` for the full :class:`Decision`): per request,
+  may explore within the cap;
+* ``decide(context) -> Decision``: the committed arm for a context, with the reason and
+  the predicted speed-up and its interval;
+* ``observe(observation)``: learn from a finished request;
+* ``set_override`` / ``clear_override``: operator overrides by scope with ``*`` wildcards;
+* ``estimates()``: a JSON-able read-out for ``GET /v1/policy``;
+* ``state_dict()`` / ``load_state_dict()``: JSON-able persistence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from collectors.observations import RequestObservation
+from policies.arms import OFF, Arm, ConcurrencyBuckets, Context, sorted_arms
+from policies.base import Clock
+from policies.estimators import (
+    AcceptanceModel,
+    BatchTracker,
+    ChangeDetector,
+    ChangeEvent,
+    StepCostModel,
+)
+from policies.fleet import (
+    CostDraws,
+    CostParams,
+    FloatArray,
+    TokensPerStep,
+    best_assignment,
+    steady_goodput,
+    steady_state,
+    steady_state_draws,
+)
+
+DEFAULT_MODEL = "default"
+# Selections over which the exploration rate is averaged.
+_EXPLORE_WINDOW = 200.0
+DEFAULT_CLASS = "default"
+WILDCARD = "*"
+
+
+def _quantile(values: FloatArray, q: float) -> float:
+    """Linear-interpolated quantile of a small sample (``np.quantile`` costs 50× more)."""
+    ordered = np.sort(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+
+
+@dataclass(frozen=True, slots=True)
+class BanditConfig:
+    """Tuning of the bandit; times in seconds of the injected clock."""
+
+    buckets: ConcurrencyBuckets = field(default_factory=ConcurrencyBuckets)
+    half_life_s: float = 1800.0
+    """Evidence loses half its weight in this time."""
+    dwell_s: float = 60.0
+    """A context keeps a committed arm at least this long (unless turning off)."""
+    hysteresis: float = 0.02
+    """A new arm replaces a committed one when predicted to raise the bucket's goodput
+    by this much (relative), or its class's own speed-up by this much without lowering
+    the bucket's goodput."""
+    explore_cap: float = 0.08
+    """At most this share of requests is served by an arm other than the committed one."""
+    guard_quantile: float = 0.1
+    """A class speculates only if this posterior quantile of its goodput effect is >= 1."""
+    posterior_draws: int = 16
+    refresh_observations: int = 40
+    """Re-plan a bucket after this many new observations of its model…"""
+    refresh_s: float = 60.0
+    """…or after this long, whichever comes first."""
+    probe_every: int = 25
+    """Serve a class with an unused proposer (its smallest γ) after this many of the
+    class's requests went by without it, so drifts of idle proposers get noticed."""
+    probe_max_slowdown: float = 0.02
+    """A probe may make the batch's steps at most this much slower."""
+    trials_per_request: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """An arm for a context and why.
+
+    ``predicted_speedup`` is the class's per-token speed-up over no speculation at the
+    bucket's concurrency; ``interval`` its posterior 10–90 % range. ``explored`` is
+    True when this request is served by an arm other than the committed one.
+    """
+
+    context: Context
+    arm: Arm
+    reason: str
+    """``override``, ``best``, ``guard_off``, ``dwell``, ``learning``, ``explore`` or ``probe``."""
+    predicted_speedup: float | None = None
+    interval: tuple[float, float] | None = None
+    explored: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """Operator override: every context matching the scope is served with ``arm``."""
+
+    model: str
+    workload_class: str
+    bucket: str
+    arm: Arm
+
+    def matches(self, context: Context) -> bool:
+        return all(
+            pattern in (WILDCARD, value)
+            for pattern, value in (
+                (self.model, context.model),
+                (self.workload_class, context.workload_class),
+                (self.bucket, context.bucket),
+            )
+        )
+
+    @property
+    def specificity(self) -> int:
+        return sum(p != WILDCARD for p in (self.model, self.workload_class, self.bucket))
+
+
+@dataclass(slots=True)
+class _Commitment:
+    arm: Arm
+    since: float
+    reason: str
+    speedup: float | None = None
+    interval: tuple[float, float] | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One bucket's latest joint plan."""
+
+    at: float
+    observations: int
+    thompson: dict[str, Arm]
+    probe_ok: dict[str, bool] = field(default_factory=dict)
+
+
+class SpecPilotPolicy:
+    """The structured bandit. See the module docstring for what it learns and guards."""
+
+    name = "specpilot"
+
+    def __init__(
+        self,
+        arms: Sequence[Arm],
+        *,
+        clock: Clock,
+        rng: np.random.Generator,
+        config: BanditConfig | None = None,
+    ) -> None:
+        self.config = config or BanditConfig()
+        self.arms: tuple[Arm, ...] = sorted_arms([*arms, OFF])
+        self.clock = clock
+        self.rng = rng
+        self._gammas: dict[str, list[int]] = {}
+        for arm in self.arms:
+            if arm.proposer is not None:
+                self._gammas.setdefault(arm.proposer, []).append(arm.gamma)
+        self.proposers = tuple(sorted(self._gammas))
+        self._acceptance: dict[tuple[str, str, str], AcceptanceModel] = {}
+        self._detectors: dict[tuple[str, str, str], ChangeDetector] = {}
+        self._cost: dict[str, StepCostModel] = {}
+        self._trackers: dict[str, BatchTracker] = {}
+        self._token_shares: dict[str, dict[str, float]] = {}
+        self._shares_at: dict[str, float] = {}
+        self._bucket_concurrency: dict[tuple[str, str], float] = {}
+        self._observations: dict[str, int] = {}
+        self._plans: dict[tuple[str, str], _Plan] = {}
+        self._commitments: dict[Context, _Commitment] = {}
+        self._class_requests: dict[tuple[str, str], int] = {}
+        self._last_served: dict[tuple[str, str, str], int] = {}
+        self._overrides: list[Override] = []
+        self.selected = 0
+        self.explored = 0
+        self._explore_rate = 0.0
+        self.change_events: list[ChangeEvent] = []
+
+    # -- the controller's API ------------------------------------------------------
+
+    def select(self, context: Context) -> Arm:
+        """The arm for one request of ``context`` (may explore, within the cap)."""
+        return self.choose(context).arm
+
+    def best_guess(self, context: Context) -> Arm:
+        return self.decide(context).arm
+
+    def choose(self, context: Context) -> Decision:
+        """Per-request decision: the committed arm, or an exploration arm."""
+        decision = self.decide(context)
+        class_key = (context.model, context.workload_class)
+        count = self._class_requests.get(class_key, 0) + 1
+        self._class_requests[class_key] = count
+        if decision.reason != "override" and self._may_explore():
+            candidate = self._exploration_arm(context, decision.arm, count)
+            if candidate is not None:
+                arm, reason = candidate
+                decision = Decision(context, arm, reason, explored=True)
+        self._count_selection(decision.explored)
+        self._serve(context, decision.arm, count)
+        return decision
+
+    def decide(self, context: Context) -> Decision:
+        """The committed arm for a context (no exploration), with its reason."""
+        override = self._override_for(context)
+        if override is not None:
+            return Decision(context, override.arm, "override")
+        self._plan_if_due(context.model, context.bucket)
+        commitment = self._commitments.get(context)
+        if commitment is None:
+            return Decision(context, OFF, "learning")
+        return Decision(
+            context, commitment.arm, commitment.reason, commitment.speedup, commitment.interval
+        )
+
+    def observe(self, observation: RequestObservation) -> None:
+        """Learn from one finished request (acceptance, cost, mix, drift)."""
+        now = self.clock()
+        model = observation.model or DEFAULT_MODEL
+        cls = observation.workload_class or DEFAULT_CLASS
+        try:
+            arm = Arm.parse(observation.arm) if observation.arm else OFF
+        except ValueError:
+            return
+        tracker = self._tracker(model)
+        tracker.remove(arm, now)
+        self._learn_cost(model, arm, observation, tracker, now)
+        self._learn_mix(model, cls, observation, now)
+        self._observations[model] = self._observations.get(model, 0) + 1
+        spec = observation.spec
+        if (
+            arm.proposer is not None
+            and spec is not None
+            and spec.num_drafts
+            and spec.accepted_per_position is not None
+        ):
+            self._learn_acceptance(
+                model, cls, arm.proposer, spec.accepted_per_position, spec.num_drafts, now
+            )
+
+    def set_override(
+        self,
+        arm: Arm,
+        *,
+        model: str = WILDCARD,
+        workload_class: str = WILDCARD,
+        bucket: str = WILDCARD,
+    ) -> Override:
+        """Serve every context in the scope with ``arm``; the most specific scope wins."""
+        if arm not in self.arms:
+            raise ValueError(
+                f"arm {arm} is not available (available: {', '.join(map(str, self.arms))})"
+            )
+        self.clear_override(model=model, workload_class=workload_class, bucket=bucket)
+        override = Override(model, workload_class, bucket, arm)
+        self._overrides.append(override)
+        return override
+
+    def clear_override(
+        self, *, model: str = WILDCARD, workload_class: str = WILDCARD, bucket: str = WILDCARD
+    ) -> bool:
+        before = len(self._overrides)
+        self._overrides = [
+            o
+            for o in self._overrides
+            if (o.model, o.workload_class, o.bucket) != (model, workload_class, bucket)
+        ]
+        return len(self._overrides) != before
+
+    @property
+    def overrides(self) -> tuple[Override, ...]:
+        return tuple(self._overrides)
+
+    @property
+    def explore_fraction(self) -> float:
+        return self.explored / self.selected if self.selected else 0.0
+
+    # -- exploration ---------------------------------------------------------------
+
+    def _may_explore(self) -> bool:
+        # A moving rate, not a lifetime count: a quiet stretch must not bank budget
+        # that is then spent in one burst.
+        return self._explore_rate < self.config.explore_cap
+
+    def _count_selection(self, explored: bool) -> None:
+        self.selected += 1
+        self.explored += explored
+        self._explore_rate += (float(explored) - self._explore_rate) / _EXPLORE_WINDOW
+
+    def _exploration_arm(
+        self, context: Context, committed: Arm, count: int
+    ) -> tuple[Arm, str] | None:
+        plan = self._plans.get((context.model, context.bucket))
+        if plan is not None:
+            sampled = plan.thompson.get(context.workload_class)
+            if sampled is not None and sampled != committed:
+                return sampled, "explore"
+        for proposer in self.proposers:
+            if proposer == committed.proposer:
+                continue
+            last = self._last_served.get((context.model, context.workload_class, proposer), 0)
+            if count - last >= self.config.probe_every and (
+                plan is None or plan.probe_ok.get(proposer, True)
+            ):
+                return Arm(proposer, min(self._gammas[proposer])), "probe"
+        return None
+
+    def _cheap_probes(self, model: str, cost: CostParams) -> dict[str, bool]:
+        """Per proposer: whether one more sequence on its smallest γ slows the batch by
+        at most ``probe_max_slowdown``. A proposer nobody else uses makes every sequence
+        wait for its drafting, which at high load costs more than the probe can tell."""
+        tracker = self._tracker(model)
+        before = cost.step_time(*tracker.composition())
+        out = {}
+        for proposer in self.proposers:
+            probe = Arm(proposer, min(self._gammas[proposer]))
+            after = cost.step_time(*tracker.composition(probe))
+            out[proposer] = after <= before * (1.0 + self.config.probe_max_slowdown)
+        return out
+
+    def _serve(self, context: Context, arm: Arm, count: int) -> None:
+        tracker = self._tracker(context.model)
+        tracker.add(arm, self.clock())
+        if arm.proposer is not None:
+            self._last_served[(context.model, context.workload_class, arm.proposer)] = count
+        key = (context.model, context.bucket)
+        concurrency = tracker.in_flight
+        previous = self._bucket_concurrency.get(key)
+        self._bucket_concurrency[key] = (
+            concurrency if previous is None else 0.98 * previous + 0.02 * concurrency
+        )
+
+    # -- learning ------------------------------------------------------------------
+
+    def _cost_model(self, model: str) -> StepCostModel:
+        cost = self._cost.get(model)
+        if cost is None:
+            cost = self._cost[model] = StepCostModel(
+                self.proposers, half_life_s=self.config.half_life_s
+            )
+        return cost
+
+    def _tracker(self, model: str) -> BatchTracker:
+        tracker = self._trackers.get(model)
+        if tracker is None:
+            tracker = self._trackers[model] = BatchTracker(self._cost_model(model))
+        return tracker
+
+    def _learn_cost(
+        self,
+        model: str,
+        arm: Arm,
+        observation: RequestObservation,
+        tracker: BatchTracker,
+        now: float,
+    ) -> None:
+        spec = observation.spec
+        steps = spec.num_drafts if arm.proposer is not None and spec else observation.output_tokens
+        generation = observation.generation_time_s
+        if not steps or steps < 2 or generation is None or generation <= 0:
+            return
+        end = observation.finished_at if observation.finished_at is not None else now
+        rows = tracker.mean_rows(end - generation, end)
+        if rows is None:
+            return
+        self._cost_model(model).update(rows, generation / (steps - 1), now)
+
+    def _learn_mix(self, model: str, cls: str, observation: RequestObservation, now: float) -> None:
+        shares = self._token_shares.setdefault(model, {})
+        last = self._shares_at.get(model)
+        if last is not None:
+            factor = 0.5 ** ((now - last) / self.config.half_life_s) if now > last else 1.0
+            for key in shares:
+                shares[key] *= factor
+        self._shares_at[model] = now
+        shares[cls] = shares.get(cls, 0.0) + float(observation.output_tokens or 1)
+
+    def _learn_acceptance(
+        self,
+        model: str,
+        cls: str,
+        proposer: str,
+        per_position: Sequence[int],
+        num_drafts: int,
+        now: float,
+    ) -> None:
+        key = (model, cls, proposer)
+        acceptance = self._acceptance_model(key)
+        detector = self._detectors.setdefault(key, ChangeDetector())
+        first = per_position[0] / num_drafts if per_position else 0.0
+        if detector.update(first):
+            self.change_events.append(
+                ChangeEvent(
+                    now,
+                    model,
+                    cls,
+                    proposer,
+                    float(detector.baseline or 0.0),
+                    float(detector.recent or first),
+                )
+            )
+            acceptance.reset()
+            detector.reset()
+            # Re-plan every bucket of the model now; commitments of this class may move.
+            for plan_key in [k for k in self._plans if k[0] == model]:
+                del self._plans[plan_key]
+            for context, commitment in self._commitments.items():
+                if context.model == model and context.workload_class == cls:
+                    commitment.since = -math.inf
+        acceptance.update(per_position, num_drafts, now)
+
+    def _acceptance_model(self, key: tuple[str, str, str]) -> AcceptanceModel:
+        model = self._acceptance.get(key)
+        if model is None:
+            model = self._acceptance[key] = AcceptanceModel(
+                max(self._gammas[key[2]]),
+                half_life_s=self.config.half_life_s,
+                trials_per_request=self.config.trials_per_request,
+            )
+        return model
+
+    # -- planning ------------------------------------------------------------------
+
+    def _plan_if_due(self, model: str, bucket: str) -> None:
+        now = self.clock()
+        plan = self._plans.get((model, bucket))
+        observations = self._observations.get(model, 0)
+        if plan is not None and (
+            observations - plan.observations < self.config.refresh_observations
+            and now - plan.at < self.config.refresh_s
+        ):
+            return
+        self._plan(model, bucket, now, observations)
+
+    def _concurrency(self, model: str, bucket: str) -> float:
+        observed = self._bucket_concurrency.get((model, bucket))
+        return observed if observed is not None else self.config.buckets.representative(bucket)
+
+    def _plan(self, model: str, bucket: str, now: float, observations: int) -> None:
+        """Re-plan one bucket: draw worlds, pick arms jointly, guard, commit."""
+        shares = {c: v for c, v in self._token_shares.get(model, {}).items() if v > 0}
+        cost_model = self._cost.get(model)
+        if not shares or cost_model is None or not cost_model.ready:
+            self._plans[(model, bucket)] = _Plan(now, observations, {})
+            return
+        draws = self.config.posterior_draws
+        classes = sorted(shares)
+        # Expected tokens per step for every class × arm: posterior means and draws.
+        mean_e: dict[tuple[str, Arm], float] = {}
+        drawn_e: dict[tuple[str, Arm], FloatArray] = {}
+        for cls in classes:
+            for proposer in self.proposers:
+                acceptance = self._acceptance_model((model, cls, proposer))
+                means = AcceptanceModel.expected_tokens(acceptance.mean_conditionals())
+                drawn = AcceptanceModel.expected_tokens(
+                    acceptance.sample_conditionals(self.rng, draws)
+                )
+                for gamma in self._gammas[proposer]:
+                    mean_e[(cls, Arm(proposer, gamma))] = float(means[gamma])
+                    drawn_e[(cls, Arm(proposer, gamma))] = drawn[:, gamma]
+
+        def mean_tokens(cls: str, arm: Arm) -> float:
+            return 1.0 if arm.proposer is None else mean_e[(cls, arm)]
+
+        def first_draw_tokens(cls: str, arm: Arm) -> float:
+            return 1.0 if arm.proposer is None else float(drawn_e[(cls, arm)][0])
+
+        concurrency = self._concurrency(model, bucket)
+        mean_cost = cost_model.mean_params()
+        cost_draws = cost_model.sample_params(self.rng, draws)
+        worlds = CostDraws.stack(cost_draws)
+        committed = {
+            cls: c.arm
+            for cls in classes
+            if (c := self._commitments.get(Context(model, cls, bucket))) is not None
+        }
+        best = best_assignment(concurrency, shares, mean_tokens, self.arms, mean_cost, committed)
+        guarded, unsafe = self._guard(concurrency, shares, best, drawn_e, worlds)
+        thompson = best_assignment(
+            concurrency, shares, first_draw_tokens, self.arms, cost_draws[0], guarded
+        )
+        probe_ok = self._cheap_probes(model, mean_cost)
+        self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
+        # The live assignment is guarded too: a committed class whose speculation no
+        # longer surely pays turns off now, whatever its dwell time.
+        live = {cls: committed.get(cls, guarded[cls]) for cls in classes}
+        _, unsafe_live = self._guard(concurrency, shares, live, drawn_e, worlds)
+        plan_gain = steady_goodput(concurrency, shares, mean_tokens, guarded, mean_cost) / max(
+            steady_goodput(concurrency, shares, mean_tokens, live, mean_cost), 1e-12
+        )
+        for cls in classes:
+            self._commit(
+                Context(model, cls, bucket),
+                cls,
+                guarded,
+                unsafe | unsafe_live,
+                live,
+                plan_gain,
+                concurrency,
+                shares,
+                mean_tokens,
+                mean_cost,
+                now,
+            )
+        served = {c: self._commitments[Context(model, c, bucket)].arm for c in classes}
+        _, step = steady_state_draws(concurrency, shares, drawn_e, served, worlds)
+        _, plain = steady_state_draws(concurrency, shares, drawn_e, {}, worlds)
+        for cls, arm in served.items():
+            # Per-token speed-up of the class over everything off at this concurrency.
+            tokens = drawn_e[(cls, arm)] if arm.proposer is not None else 1.0
+            values = tokens * plain / step
+            commitment = self._commitments[Context(model, cls, bucket)]
+            commitment.speedup = float(np.mean(values))
+            commitment.interval = (_quantile(values, 0.1), _quantile(values, 0.9))
+
+    def _guard(
+        self,
+        concurrency: float,
+        shares: Mapping[str, float],
+        assignment: Mapping[str, Arm],
+        drawn_e: Mapping[tuple[str, Arm], FloatArray],
+        worlds: CostDraws,
+    ) -> tuple[dict[str, Arm], set[str]]:
+        """Turn off every class whose speculation does not surely pay for the bucket:
+        the ``guard_quantile`` of its effect on goodput over posterior draws must be ≥ 1."""
+        guarded = dict(assignment)
+        unsafe: set[str] = set()
+        current, _ = steady_state_draws(concurrency, shares, drawn_e, guarded, worlds)
+        for cls in sorted(assignment):
+            if guarded[cls].is_off:
+                continue
+            without_cls = {**guarded, cls: OFF}
+            without, _ = steady_state_draws(concurrency, shares, drawn_e, without_cls, worlds)
+            ratios = current / np.maximum(without, 1e-12)
+            if _quantile(ratios, self.config.guard_quantile) < 1.0:
+                guarded = without_cls
+                current = without
+                unsafe.add(cls)
+        return guarded, unsafe
+
+    def _commit(
+        self,
+        context: Context,
+        cls: str,
+        guarded: Mapping[str, Arm],
+        unsafe: set[str],
+        live: Mapping[str, Arm],
+        plan_gain: float,
+        concurrency: float,
+        shares: Mapping[str, float],
+        mean_tokens: TokensPerStep,
+        mean_cost: CostParams,
+        now: float,
+    ) -> None:
+        """Move a context's committed arm towards the plan, within dwell and hysteresis.
+
+        A switch happens when the whole plan beats the live assignment by the margin
+        (classes move together: one class alone may gain too little to move while all
+        of them together gain a lot), or when this class's own speed-up gains the
+        margin without the bucket losing. Turning off for safety never waits.
+        """
+        candidate = guarded[cls]
+        current = self._commitments.get(context)
+        if current is None:
+            self._commitments[context] = _Commitment(
+                candidate, now, "guard_off" if cls in unsafe else "best"
+            )
+            return
+        if cls in unsafe and not current.arm.is_off and candidate.is_off:
+            self._commitments[context] = _Commitment(OFF, now, "guard_off")
+            return
+        if candidate == current.arm:
+            current.reason = "guard_off" if cls in unsafe else "best"
+            return
+        if now - current.since < self.config.dwell_s:
+            current.reason = "dwell"
+            return
+        margin = 1.0 + self.config.hysteresis
+        if plan_gain >= margin:
+            self._commitments[context] = _Commitment(candidate, now, "best")
+            return
+        moved = {**live, cls: candidate}
+        new_goodput, new_step = steady_state(concurrency, shares, mean_tokens, moved, mean_cost)
+        old_goodput, old_step = steady_state(concurrency, shares, mean_tokens, live, mean_cost)
+        own_gain = (mean_tokens(cls, candidate) / new_step) / (
+            mean_tokens(cls, current.arm) / old_step
+        )
+        if new_goodput >= old_goodput * margin or (
+            own_gain >= margin and new_goodput >= old_goodput
+        ):
+            self._commitments[context] = _Commitment(candidate, now, "best")
+        else:
+            current.reason = "hysteresis"
+
+    def _override_for(self, context: Context) -> Override | None:
+        best: Override | None = None
+        for override in self._overrides:  # later entries win ties
+            if override.matches(context) and (
+                best is None or override.specificity >= best.specificity
+            ):
+                best = override
+        return best
+
+    # -- read-out and persistence --------------------------------------------------
+
+    def estimates(self) -> dict[str, Any]:
+        """What the policy believes, JSON-able, for ``GET /v1/policy``."""
+        contexts = [
+            {
+                "model": ctx.model,
+                "workload_class": ctx.workload_class,
+                "bucket": ctx.bucket,
+                "arm": str(c.arm),
+                "reason": c.reason,
+                "since_s": c.since if math.isfinite(c.since) else None,
+                "predicted_speedup": c.speedup,
+                "interval": list(c.interval) if c.interval else None,
+            }
+            for ctx, c in sorted(self._commitments.items())
+        ]
+        acceptance = []
+        for (model, cls, proposer), estimate in sorted(self._acceptance.items()):
+            conditionals = estimate.mean_conditionals()
+            expected = AcceptanceModel.expected_tokens(conditionals)
+            acceptance.append(
+                {
+                    "model": model,
+                    "workload_class": cls,
+                    "proposer": proposer,
+                    "first_position_acceptance": float(conditionals[0]),
+                    "expected_tokens": {str(g): float(expected[g]) for g in self._gammas[proposer]},
+                    "requests": estimate.requests,
+                }
+            )
+        costs = []
+        for model, cost_model in sorted(self._cost.items()):
+            if not cost_model.ready:
+                continue
+            params = cost_model.mean_params()
+            relative: dict[str, dict[str, float]] = {}
+            for bucket in self.config.buckets.labels:
+                n = self._concurrency(model, bucket)
+                plain = params.step_time(n, {})
+                relative[bucket] = {
+                    str(arm): params.step_time(
+                        n * arm.verify_tokens, {arm.proposer: arm.gamma} if arm.proposer else {}
+                    )
+                    / plain
+                    for arm in self.arms
+                }
+            costs.append(
+                {
+                    "model": model,
+                    "step_s": params.step_s,
+                    "knee_tokens": params.knee_tokens,
+                    "draft_cost": dict(params.draft_cost),
+                    "relative_step_cost": relative,
+                }
+            )
+        return {
+            "contexts": contexts,
+            "acceptance": acceptance,
+            "cost": costs,
+            "overrides": [
+                {
+                    "model": o.model,
+                    "workload_class": o.workload_class,
+                    "bucket": o.bucket,
+                    "arm": str(o.arm),
+                }
+                for o in self._overrides
+            ],
+            "change_events": [asdict(e) for e in self.change_events],
+            "explore_fraction": self.explore_fraction,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything learned and committed, JSON-able (RNG and clock stay injected)."""
+
+        def finite(value: float) -> float | None:
+            return value if math.isfinite(value) else None
+
+        return {
+            "version": 1,
+            "arms": [str(a) for a in self.arms],
+            "acceptance": [[list(k), m.to_state()] for k, m in sorted(self._acceptance.items())],
+            "detectors": [[list(k), d.to_state()] for k, d in sorted(self._detectors.items())],
+            "cost": {m: c.to_state() for m, c in sorted(self._cost.items())},
+            "in_flight": {
+                m: {str(a): c for a, c in t.counts.items() if c > 0}
+                for m, t in sorted(self._trackers.items())
+            },
+            "token_shares": {m: dict(s) for m, s in sorted(self._token_shares.items())},
+            "shares_at": dict(self._shares_at),
+            "bucket_concurrency": [
+                [list(k), v] for k, v in sorted(self._bucket_concurrency.items())
+            ],
+            "observations": dict(self._observations),
+            "plans": [
+                [
+                    list(k),
+                    {
+                        "at": p.at,
+                        "observations": p.observations,
+                        "thompson": {c: str(a) for c, a in sorted(p.thompson.items())},
+                        "probe_ok": dict(sorted(p.probe_ok.items())),
+                    },
+                ]
+                for k, p in sorted(self._plans.items())
+            ],
+            "commitments": [
+                [
+                    [c.model, c.workload_class, c.bucket],
+                    {
+                        "arm": str(m.arm),
+                        "since": finite(m.since),
+                        "reason": m.reason,
+                        "speedup": m.speedup,
+                        "interval": list(m.interval) if m.interval else None,
+                    },
+                ]
+                for c, m in sorted(self._commitments.items())
+            ],
+            "class_requests": [[list(k), v] for k, v in sorted(self._class_requests.items())],
+            "last_served": [[list(k), v] for k, v in sorted(self._last_served.items())],
+            "overrides": [
+                [o.model, o.workload_class, o.bucket, str(o.arm)] for o in self._overrides
+            ],
+            "selected": self.selected,
+            "explored": self.explored,
+            "explore_rate": self._explore_rate,
+            "change_events": [asdict(e) for e in self.change_events],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (the arms must be the same)."""
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported policy state version {state.get('version')!r}")
+        if [str(a) for a in self.arms] != list(state["arms"]):
+            raise ValueError("policy state was saved for different arms")
+        self._acceptance = {}
+        for key, value in state["acceptance"]:
+            model = self._acceptance_model((key[0], key[1], key[2]))
+            model.load_state(value)
+        self._detectors = {}
+        for key, value in state["detectors"]:
+            detector = self._detectors[(key[0], key[1], key[2])] = ChangeDetector()
+            detector.load_state(value)
+        self._cost = {}
+        for model_name, value in state["cost"].items():
+            cost = self._cost[model_name] = StepCostModel(
+                self.proposers, half_life_s=self.config.half_life_s
+            )
+            cost.load_state(value)
+        self._trackers = {}
+        for model_name, counts in state["in_flight"].items():
+            tracker = self._tracker(model_name)
+            for text, count in counts.items():
+                tracker.counts[Arm.parse(text)] = int(count)
+        self._token_shares = {m: dict(s) for m, s in state["token_shares"].items()}
+        self._shares_at = dict(state["shares_at"])
+        self._bucket_concurrency = {(k[0], k[1]): v for k, v in state["bucket_concurrency"]}
+        self._observations = dict(state["observations"])
+        self._plans = {
+            (k[0], k[1]): _Plan(
+                p["at"],
+                p["observations"],
+                {c: Arm.parse(a) for c, a in p["thompson"].items()},
+                dict(p["probe_ok"]),
+            )
+            for k, p in state["plans"]
+        }
+        self._commitments = {
+            Context(c[0], c[1], c[2]): _Commitment(
+                Arm.parse(m["arm"]),
+                -math.inf if m["since"] is None else m["since"],
+                m["reason"],
+                m["speedup"],
+                (m["interval"][0], m["interval"][1]) if m["interval"] else None,
+            )
+            for c, m in state["commitments"]
+        }
+        self._class_requests = {(k[0], k[1]): v for k, v in state["class_requests"]}
+        self._last_served = {(k[0], k[1], k[2]): v for k, v in state["last_served"]}
+        self._overrides = [Override(o[0], o[1], o[2], Arm.parse(o[3])) for o in state["overrides"]]
+        self.selected = int(state["selected"])
+        self.explored = int(state["explored"])
+        self._explore_rate = float(state["explore_rate"])
+        self.change_events = [ChangeEvent(**e) for e in state["change_events"]]

@@ -1,0 +1,462 @@
+"""The learned pieces of specpilot's bandit: acceptance, step cost and change detection.
+
+All three are discounted (old evidence fades with a half-life on the injected clock) so
+the bandit keeps adapting, and all three serialise to JSON-able dicts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from policies.arms import Arm
+from policies.fleet import CostParams
+from policies.speedup import conditional_acceptance
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def decay_factor(elapsed_s: float, half_life_s: float) -> float:
+    """Weight left on evidence ``elapsed_s`` old."""
+    if elapsed_s <= 0 or math.isinf(half_life_s):
+        return 1.0
+    return float(0.5 ** (elapsed_s / half_life_s))
+
+
+class AcceptanceModel:
+    """Posterior over per-position conditional acceptance of one class × proposer.
+
+    Position i is accepted with probability q_i given positions 0..i-1 were; each q_i
+    has a Beta posterior fed with the per-position counts of every observed request,
+    whatever γ it ran with (the counterfactual: a run at γ informs every γ' ≤ γ). Few
+    trials at a deep position borrow from the position before it: the prior of q_i is
+    centred on q_{i-1} with ``chain_strength`` pseudo-trials, so the posterior over
+    E_γ stays sensible for γ never tried.
+
+    A request counts as at most ``trials_per_request`` trials at position 0 (and
+    proportionally fewer deeper): acceptance varies more between requests than between
+    the steps of one request, and counting every step would make the posterior
+    overconfident.
+    """
+
+    def __init__(
+        self,
+        positions: int,
+        *,
+        half_life_s: float = 1800.0,
+        trials_per_request: float = 20.0,
+        prior_mean: float = 0.5,
+        prior_strength: float = 2.0,
+        chain_strength: float = 4.0,
+    ) -> None:
+        self.positions = positions
+        self.half_life_s = half_life_s
+        self.trials_per_request = trials_per_request
+        self.prior_mean = prior_mean
+        self.prior_strength = prior_strength
+        self.chain_strength = chain_strength
+        self.successes = np.zeros(positions)
+        self.trials = np.zeros(positions)
+        self.updated_at: float | None = None
+        self.requests = 0.0
+
+    def _age(self, now: float) -> None:
+        if self.updated_at is not None:
+            factor = decay_factor(now - self.updated_at, self.half_life_s)
+            self.successes *= factor
+            self.trials *= factor
+            self.requests *= factor
+        self.updated_at = now
+
+    def update(self, accepted_per_position: Sequence[int], num_drafts: int, now: float) -> None:
+        if num_drafts <= 0:
+            return
+        self._age(now)
+        weight = min(1.0, self.trials_per_request / num_drafts)
+        pairs = conditional_acceptance(accepted_per_position, num_drafts)
+        for i, (accepted, tried) in enumerate(pairs[: self.positions]):
+            self.successes[i] += weight * accepted
+            self.trials[i] += weight * tried
+        self.requests += 1.0
+
+    def reset(self) -> None:
+        self.successes[:] = 0.0
+        self.trials[:] = 0.0
+        self.requests = 0.0
+
+    def _beta_parameters(self) -> tuple[FloatArray, FloatArray]:
+        """Posterior Beta(a, b) per position; each prior is centred on the previous
+        position's posterior mean."""
+        a = np.empty(self.positions)
+        b = np.empty(self.positions)
+        centre, strength = self.prior_mean, self.prior_strength
+        successes = self.successes.tolist()
+        failures = (self.trials - self.successes).tolist()
+        for i in range(self.positions):
+            a[i] = successes[i] + strength * centre
+            b[i] = failures[i] + strength * (1.0 - centre)
+            centre, strength = a[i] / (a[i] + b[i]), self.chain_strength
+        return a, b
+
+    def mean_conditionals(self) -> FloatArray:
+        a, b = self._beta_parameters()
+        result: FloatArray = a / (a + b)
+        return result
+
+    def sample_conditionals(self, rng: np.random.Generator, draws: int) -> FloatArray:
+        """``draws`` × positions samples of q."""
+        a, b = self._beta_parameters()
+        shape = (draws, self.positions)
+        result: FloatArray = rng.beta(
+            np.broadcast_to(np.maximum(a, 1e-3), shape), np.broadcast_to(np.maximum(b, 1e-3), shape)
+        )
+        return result
+
+    @staticmethod
+    def expected_tokens(conditionals: FloatArray) -> FloatArray:
+        """E_γ for γ = 0..positions from conditionals (last axis = position)."""
+        survival = np.cumprod(conditionals, axis=-1)
+        zeros = np.zeros((*conditionals.shape[:-1], 1))
+        result: FloatArray = 1.0 + np.concatenate([zeros, np.cumsum(survival, axis=-1)], axis=-1)
+        return result
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "positions": self.positions,
+            "successes": self.successes.tolist(),
+            "trials": self.trials.tolist(),
+            "updated_at": self.updated_at,
+            "requests": self.requests,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.successes = np.array(state["successes"], dtype=float)
+        self.trials = np.array(state["trials"], dtype=float)
+        self.updated_at = state["updated_at"]
+        self.requests = float(state["requests"])
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeEvent:
+    """The detector fired: a class × proposer's acceptance moved away from its baseline."""
+
+    at_s: float
+    model: str
+    workload_class: str
+    proposer: str
+    baseline: float
+    recent: float
+
+
+class ChangeDetector:
+    """Two-sided CUSUM on per-request first-position acceptance.
+
+    First-position acceptance (accepted at position 0 / drafts) does not depend on the
+    γ a request ran with, so switching γ never looks like a drift. The baseline mean
+    and spread come from the first ``warmup`` requests after a (re)start and keep being
+    refined by every later request (a self-starting CUSUM): the first requests to
+    finish are the fast ones, with high acceptance, so a frozen warm-up baseline would
+    be biased and later turn into false alarms; after the warm-up each request moves
+    the baseline by at most 1/count, too little to mask an abrupt change. Scores are
+    standardised and clipped (one odd request cannot fire it alone). ``slack`` (in
+    standard deviations) is the shift below which evidence does not accumulate,
+    ``threshold`` the evidence that fires: with slack 1 and threshold 12 the in-control
+    run length is far beyond any realistic stream, while a shift of three standard
+    deviations fires within five to seven requests.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 30,
+        slack: float = 1.0,
+        threshold: float = 12.0,
+        clip: float = 4.0,
+        min_spread: float = 0.04,
+    ) -> None:
+        self.warmup = warmup
+        self.slack = slack
+        self.threshold = threshold
+        self.clip = clip
+        self.min_spread = min_spread
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.high = 0.0
+        self.low = 0.0
+        self.recent: float | None = None
+
+    @property
+    def baseline(self) -> float | None:
+        return self.mean if self.count >= self.warmup else None
+
+    @property
+    def spread(self) -> float:
+        variance = self.m2 / (self.count - 1) if self.count > 1 else 0.0
+        return max(math.sqrt(variance), self.min_spread)
+
+    def _learn(self, value: float) -> None:
+        # Welford's running mean and variance.
+        self.count += 1
+        delta = value - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (value - self.mean)
+
+    def update(self, value: float) -> bool:
+        """Feed one request's value; True when a change is detected."""
+        self.recent = value if self.recent is None else 0.8 * self.recent + 0.2 * value
+        if self.count < self.warmup:
+            self._learn(value)
+            return False
+        z = max(-self.clip, min(self.clip, (value - self.mean) / self.spread))
+        self.high = max(0.0, self.high + z - self.slack)
+        self.low = max(0.0, self.low - z - self.slack)
+        if self.high > self.threshold or self.low > self.threshold:
+            return True
+        self._learn(value)
+        return False
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "m2": self.m2,
+            "high": self.high,
+            "low": self.low,
+            "recent": self.recent,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
+        self.high = float(state["high"])
+        self.low = float(state["low"])
+        self.recent = state["recent"]
+
+
+# Knee candidates (verified positions per step), log-spaced: the knee is learned as a
+# posterior over this grid, the rest of the cost model by linear regression given it.
+KNEE_GRID: tuple[float, ...] = tuple(float(x) for x in np.geomspace(8, 2048, 25))
+
+
+class StepCostModel:
+    """Posterior over an engine's step-time model (see :mod:`policies.fleet`).
+
+    Step time = step_s × max(1, T / knee) + Σ_p draft_cost_p × step_s × depth_p, where
+    T is the batch's verified positions per step and depth_p the deepest γ of proposer
+    p. For each knee on a grid this is linear in (step_s, step_s × draft_cost_p), so a
+    discounted Bayesian linear regression per knee plus the knees' likelihoods make
+    the posterior. Features come from the batch composition the policy itself assigned.
+    """
+
+    def __init__(self, proposers: Sequence[str], *, half_life_s: float = 1800.0) -> None:
+        self.proposers = tuple(sorted(proposers))
+        self.half_life_s = half_life_s
+        dims = 1 + len(self.proposers)
+        knees = len(KNEE_GRID)
+        self._knees = np.array(KNEE_GRID)
+        self.xtx = np.zeros((knees, dims, dims))
+        self.xty = np.zeros((knees, dims))
+        self.yty = 0.0
+        self.weight = 0.0
+        self.updated_at: float | None = None
+        self._fitted: tuple[FloatArray, FloatArray, FloatArray, FloatArray] | None = None
+        self._mean_params: CostParams | None = None
+
+    def features(self, verify_tokens: float, depth: dict[str, int]) -> FloatArray:
+        """Design rows for every knee: (knees × dims)."""
+        rows = np.empty((len(self._knees), 1 + len(self.proposers)))
+        rows[:, 0] = np.maximum(1.0, verify_tokens / self._knees)
+        for j, proposer in enumerate(self.proposers):
+            rows[:, 1 + j] = depth.get(proposer, 0)
+        return rows
+
+    def update(self, rows: FloatArray, step_s: float, now: float) -> None:
+        """Add one request: its mean design rows over its life (see :meth:`features`)."""
+        if self.updated_at is not None:
+            factor = decay_factor(now - self.updated_at, self.half_life_s)
+            self.xtx *= factor
+            self.xty *= factor
+            self.yty *= factor
+            self.weight *= factor
+        self.updated_at = now
+        self._fitted = None
+        self._mean_params = None
+        self.xtx += rows[:, :, None] * rows[:, None, :]
+        self.xty += rows * step_s
+        self.yty += step_s * step_s
+        self.weight += 1.0
+
+    @property
+    def ready(self) -> bool:
+        return self.weight >= 3.0
+
+    def _fit(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        """Per knee: coefficients, residual variance, log-likelihood, precision matrices."""
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        dims = self.xtx.shape[1]
+        scale = max(self.yty / max(self.weight, 1e-9), 1e-12)
+        # Ridge: a weak prior pulling coefficients towards zero, scaled to the data.
+        precision = self.xtx + 1e-3 * np.eye(dims)[None, :, :] * max(self.weight, 1.0)
+        coefficients = np.linalg.solve(precision, self.xty[:, :, None])[:, :, 0]
+        coefficients[:, 0] = np.maximum(coefficients[:, 0], 1e-9)
+        coefficients[:, 1:] = np.maximum(coefficients[:, 1:], 0.0)
+        sse = (
+            self.yty
+            - 2 * np.einsum("kd,kd->k", coefficients, self.xty)
+            + np.einsum("kd,kde,ke->k", coefficients, self.xtx, coefficients)
+        )
+        variance = np.maximum(sse, 1e-6 * scale * max(self.weight, 1.0)) / max(
+            self.weight - dims, 1.0
+        )
+        log_likelihood = -0.5 * self.weight * np.log(variance)
+        return (
+            np.asarray(coefficients, dtype=np.float64),
+            np.asarray(variance, dtype=np.float64),
+            np.asarray(log_likelihood, dtype=np.float64),
+            precision,
+        )
+
+    def knee_weights(self) -> FloatArray:
+        _, _, log_likelihood, _ = self._fit()
+        weights = np.exp(log_likelihood - log_likelihood.max())
+        result: FloatArray = weights / weights.sum()
+        return result
+
+    def mean_params(self) -> CostParams:
+        fitted = self._fit()
+        if self._mean_params is None:
+            coefficients, _, log_likelihood, _ = fitted
+            best = int(np.argmax(log_likelihood))
+            self._mean_params = self._params(coefficients[best], float(self._knees[best]))
+        return self._mean_params
+
+    def sample_params(self, rng: np.random.Generator, draws: int) -> list[CostParams]:
+        coefficients, variance, log_likelihood, precision = self._fit()
+        weights = np.exp(log_likelihood - log_likelihood.max())
+        weights /= weights.sum()
+        out = []
+        for knee_index in rng.choice(len(self._knees), size=draws, p=weights):
+            covariance = variance[knee_index] * np.linalg.inv(precision[knee_index])
+            try:
+                factor = np.linalg.cholesky(covariance)
+            except np.linalg.LinAlgError:
+                factor = np.diag(np.sqrt(np.maximum(np.diag(covariance), 0.0)))
+            beta = coefficients[knee_index] + factor @ rng.standard_normal(len(covariance))
+            beta[0] = max(beta[0], 1e-9)
+            out.append(self._params(np.maximum(beta, 0.0), float(self._knees[knee_index])))
+        return out
+
+    def _params(self, beta: FloatArray, knee: float) -> CostParams:
+        step = float(max(beta[0], 1e-9))
+        draft = {p: float(beta[1 + j]) / step for j, p in enumerate(self.proposers)}
+        return CostParams(step_s=step, knee_tokens=knee, draft_cost=draft)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "proposers": list(self.proposers),
+            "xtx": self.xtx.tolist(),
+            "xty": self.xty.tolist(),
+            "yty": self.yty,
+            "weight": self.weight,
+            "updated_at": self.updated_at,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.xtx = np.array(state["xtx"], dtype=float)
+        self.xty = np.array(state["xty"], dtype=float)
+        self.yty = float(state["yty"])
+        self.weight = float(state["weight"])
+        self.updated_at = state["updated_at"]
+        self._fitted = None
+        self._mean_params = None
+
+
+class BatchTracker:
+    """The batch composition the policy assigned, integrated over time.
+
+    A request's step time reflects every batch it shared during its life, so its
+    design rows for :class:`StepCostModel` are time averages over that life, not a
+    snapshot at its end (a snapshot would smear a short-lived expensive neighbour over
+    everyone and bias the drafting costs down). The policy adds an arm when it serves a
+    request and removes it when the request is observed; between events the
+    composition is constant, so the integral is piecewise linear and a short history of
+    it answers "average since t0" exactly.
+    """
+
+    def __init__(self, cost: StepCostModel, history: int = 8192) -> None:
+        self._cost = cost
+        self.counts: Counter[Arm] = Counter()
+        self._at: float | None = None
+        self._integral = np.zeros_like(cost.features(0, {}))
+        self._times: deque[float] = deque(maxlen=history)
+        self._integrals: deque[FloatArray] = deque(maxlen=history)
+
+    def _rows(self) -> FloatArray:
+        return self._cost.features(*self.composition())
+
+    def _advance(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            self._integral = self._integral + self._rows() * (now - self._at)
+        if self._at is None or now >= self._at:
+            self._at = now
+            self._times.append(now)
+            self._integrals.append(self._integral)
+
+    def add(self, arm: Arm, now: float) -> None:
+        self._advance(now)
+        self.counts[arm] += 1
+
+    def remove(self, arm: Arm, now: float) -> None:
+        self._advance(now)
+        if self.counts[arm] > 0:
+            self.counts[arm] -= 1
+
+    def mean_rows(self, start: float, end: float) -> FloatArray | None:
+        """Average design rows over [start, end]; None if that is not covered."""
+        if end <= start or not self._times or start < self._times[0] or end > self._times[-1]:
+            return None
+        return (self._integral_at(end) - self._integral_at(start)) / (end - start)
+
+    def _integral_at(self, t: float) -> FloatArray:
+        index = bisect.bisect_right(self._times, t) - 1
+        base_t, base = self._times[index], self._integrals[index]
+        if index + 1 < len(self._times):
+            next_t, following = self._times[index + 1], self._integrals[index + 1]
+            if next_t > base_t:
+                result: FloatArray = base + (following - base) * (t - base_t) / (next_t - base_t)
+                return result
+        return base
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c for c in self.counts.values() if c > 0)
+
+    def composition(self, extra: Arm | None = None) -> tuple[int, dict[str, int]]:
+        """(verified positions per step, deepest γ per proposer) of the batch now,
+        optionally with one more sequence on ``extra``."""
+        verify = 0
+        depth: dict[str, int] = {}
+        members = list(self.counts.items()) + ([(extra, 1)] if extra is not None else [])
+        for arm, count in members:
+            if count <= 0:
+                continue
+            verify += count * arm.verify_tokens
+            if arm.proposer is not None:
+                depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
+        return verify, depth

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import cli
+from simulator.generate import random_scenario
+from simulator.scenario import load_scenario, parse_scenario
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "bench" / "scenarios"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_generated_scenarios_are_valid(seed: int) -> None:
+    scenario = parse_scenario(random_scenario(seed))
+    assert 2 <= len(scenario.classes) <= 5
+    assert random_scenario(seed) == random_scenario(seed)
+
+
+def test_shipped_scenarios_load() -> None:
+    files = sorted(SCENARIOS.glob("*.yaml"))
+    assert len(files) >= 4
+    for path in files:
+        load_scenario(path)
+
+
+def test_bench_policy_cli_prints_the_issue_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = random_scenario(7, duration_s=240)
+    data["phases"] = [{"at_s": 0, "concurrency": 2}, {"at_s": 120, "concurrency": 24}]
+    data["drift"] = []
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(data))
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "policy", "--scenario", str(path), "--json", "--jobs", "1"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = set(report["policies"])
+    assert {
+        "specpilot",
+        "oracle",
+        "best_static",
+        "off",
+        "batch_size_table",
+        "epsilon_greedy",
+        "ucb1",
+    } <= names
+    assert any(n.startswith("static:") for n in names)
+    for row in report["policies"].values():
+        assert row["goodput"] > 0 and row["mean_tpot_s"] > 0
+    ratios = report["ratios"]
+    assert {"vs_best_static", "vs_oracle", "vs_off_at_saturation"} <= set(ratios)
+    best = report["policies"]["best_static"]["goodput"]
+    assert best >= report["policies"]["off"]["goodput"]
+    assert ratios["vs_best_static"] == pytest.approx(
+        report["policies"]["specpilot"]["goodput"] / best
+    )
+    assert report["drift_detection_delay_requests"] == []
+    assert isinstance(report["false_alarms"], int)
+    assert 0 <= report["explore_fraction"] <= 1
