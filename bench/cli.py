@@ -11,7 +11,7 @@ import argparse
 import importlib
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("bench.policy",)
+BENCHMARKS: tuple[str, ...] = ("bench.policy", "bench.classifier", "bench.scale")
 
 
 def register(subparsers: Any) -> None:

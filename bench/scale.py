@@ -136,13 +136,26 @@ def run(page_path: Path, workers: int, rounds: int) -> ScaleResult:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page", type=Path, help="a recorded vLLM /metrics page")
     parser.add_argument("--workers", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3, help="repeats; the best is kept")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=run_cli)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``scale`` to the ``bench`` sub-command group."""
+    add_arguments(subparsers.add_parser("scale", help="CPU per scrape round of 500 workers"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace) -> int:
     page = args.page or default_page()
     if page is None:
         print(f"bench.scale: no recorded page under {FIXTURES}; pass --page", file=sys.stderr)
