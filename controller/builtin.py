@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from collectors.observations import RequestObservation
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.ports import ArmChoice, ArmEstimate, Collected, ControlPolicy, ObservationSource
 from controller.settings import Settings
 
@@ -22,13 +22,13 @@ class HoldPolicy:
     def observe(self, observation: RequestObservation) -> None:
         pass
 
-    def decide(self, context: ContextKey, allowed_arms: Sequence[str], current: str) -> ArmChoice:
+    def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
         return ArmChoice(current, "hold: no policy wired")
 
-    def set_pins(self, pins: Mapping[ContextKey, str]) -> None:
+    def set_pins(self, pins: Mapping[Context, str]) -> None:
         pass
 
-    def estimates(self, context: ContextKey) -> Sequence[ArmEstimate]:
+    def estimates(self, context: Context) -> Sequence[ArmEstimate]:
         return ()
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.contexts import ContextKey, bucket_range
+from controller.contexts import Context, bucket_range
 from controller.settings import PoolSettings, Settings
 from controller.specconfig import (
     OFF,
@@ -42,8 +42,8 @@ class Fleet:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pools: Mapping[str, PoolSettings] = settings.fleet.pools
-        self.contexts: tuple[ContextKey, ...] = tuple(
-            ContextKey(model, cls, bucket)
+        self.contexts: tuple[Context, ...] = tuple(
+            Context(model, cls, bucket)
             for model in settings.models
             for cls in settings.classes
             if self.pools_for(model, cls)
@@ -63,7 +63,7 @@ class Fleet:
             if pool.model == model and self.serves(pool, workload_class)
         )
 
-    def allowed_arms(self, context: ContextKey) -> tuple[str, ...]:
+    def allowed_arms(self, context: Context) -> tuple[str, ...]:
         """Arms every pool serving the context can run (off always)."""
         per_pool = [
             {
@@ -76,7 +76,7 @@ class Fleet:
         common = set.intersection(*per_pool) if per_pool else set()
         return (OFF, *sorted(common, key=_arm_order))
 
-    def running_arm(self, context: ContextKey) -> str:
+    def running_arm(self, context: Context) -> str:
         """The arm the context's first pool runs according to the settings."""
         names = self.pools_for(context.model, context.workload_class)
         if not names:
@@ -86,7 +86,7 @@ class Fleet:
             pool.speculative_config, names[0], pool.proposer_list(), pinnable=False
         )
 
-    def resolve_override(self, config: Mapping[str, Any], contexts: Sequence[ContextKey]) -> str:
+    def resolve_override(self, config: Mapping[str, Any], contexts: Sequence[Context]) -> str:
         """The arm an operator's config means on every pool serving these contexts.
 
         Raises ``SpecConfigError`` with the reason when a pool cannot run it, when the
@@ -106,12 +106,12 @@ class Fleet:
             )
         return arms.pop()
 
-    def pool_config(self, name: str, arms: Mapping[ContextKey, str]) -> PoolConfig:
+    def pool_config(self, name: str, arms: Mapping[Context, str]) -> PoolConfig:
         """The config pool ``name`` should run given every context's effective arm."""
         pool = self.pools[name]
         cls = self.primary_class(pool)
         by_bucket = [
-            (bucket, arms.get(ContextKey(pool.model, cls, bucket), OFF))
+            (bucket, arms.get(Context(pool.model, cls, bucket), OFF))
             for bucket in self.settings.bucket_labels
         ]
         parsed = [(bucket, parse_arm(arm)) for bucket, arm in by_bucket]
@@ -135,7 +135,7 @@ class Fleet:
         check_vllm_schema(config)
         return PoolConfig(name, config, tuple(by_bucket))
 
-    def pools_of(self, contexts: Sequence[ContextKey]) -> tuple[str, ...]:
+    def pools_of(self, contexts: Sequence[Context]) -> tuple[str, ...]:
         """Pools whose effective config depends on any of these contexts."""
         names = set()
         for context in contexts:

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from collectors.observations import RequestObservation
 from controller.actuators.base import Actuator
-from controller.contexts import ContextKey, bucket_of
+from controller.contexts import Context, bucket_of
 from controller.fleet import Fleet
 from controller.ports import ControlPolicy, ObservationSource
 from controller.settings import Settings
@@ -97,8 +97,8 @@ class _Pending:
     baseline_tpot_s: float
 
 
-def context_of(observation: RequestObservation, bucket_edges: Sequence[int]) -> ContextKey:
-    return ContextKey(
+def context_of(observation: RequestObservation, bucket_edges: Sequence[int]) -> Context:
+    return Context(
         observation.model or UNKNOWN,
         observation.workload_class or UNKNOWN,
         bucket_of(observation.concurrency, bucket_edges),
@@ -144,17 +144,17 @@ class ControlLoop:
         self.journal = journal
         self._known = frozenset(fleet.contexts)
         # What the API reads (this replica's view).
-        self.arms: dict[ContextKey, str] = {}
-        self.actors: dict[ContextKey, Actor] = {}
-        self.changed_at: dict[ContextKey, float] = {}
+        self.arms: dict[Context, str] = {}
+        self.actors: dict[Context, Actor] = {}
+        self.changed_at: dict[Context, float] = {}
         self.frozen = False
         self.is_leader = False
         self.overrides: list[OverrideRecord] = []
         self.last_tick_at: float | None = None
         self.store_reachable = True
         # Bookkeeping of the leader.
-        self._tpot: dict[tuple[ContextKey, str], _Mean] = {}
-        self._pending: dict[ContextKey, _Pending] = {}
+        self._tpot: dict[tuple[Context, str], _Mean] = {}
+        self._pending: dict[Context, _Pending] = {}
         self._bad_overrides: set[str] = set()
         self._snapshot_ts = -math.inf
         self._loaded_snapshot_ts = -math.inf
@@ -369,9 +369,9 @@ class ControlLoop:
         if windows:
             await self._write(Store.add_window_stats, windows, records=len(windows), droppable=True)
 
-    async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[ContextKey, Pin]:
+    async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[Context, Pin]:
         """Which contexts operators pinned: the most specific override wins, then the newest."""
-        pins: dict[ContextKey, Pin] = {}
+        pins: dict[Context, Pin] = {}
         for override in sorted(overrides, key=lambda o: (o.scope.specificity, o.created_at)):
             contexts = [c for c in self.fleet.contexts if override.scope.matches(c)]
             try:
@@ -392,7 +392,7 @@ class ControlLoop:
                 pins[context] = Pin(arm, override)
         return pins
 
-    def _target(self, context: ContextKey, pin: Pin | None, now: float) -> Target | None:
+    def _target(self, context: Context, pin: Pin | None, now: float) -> Target | None:
         """What the context should run now, or None to leave it as it is."""
         if pin is not None:
             return Target(pin.arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
@@ -418,7 +418,7 @@ class ControlLoop:
             self.actors[context] = "policy"
         return Target(choice.arm, reason, "policy", choice.predicted_speedup)
 
-    def _decision(self, context: ContextKey, target: Target, now: float) -> DecisionRecord:
+    def _decision(self, context: Context, target: Target, now: float) -> DecisionRecord:
         return DecisionRecord(
             ts=now,
             context=context,
@@ -445,7 +445,7 @@ class ControlLoop:
             labels = (context.model, context.workload_class, context.bucket)
             self.metrics.predicted_speedup.labels(*labels).set(decision.predicted_speedup)
 
-    async def _actuate(self, changed: Sequence[ContextKey]) -> None:
+    async def _actuate(self, changed: Sequence[Context]) -> None:
         pools = self.fleet.pools if self._push_all else self.fleet.pools_of(changed)
         configs = [self.fleet.pool_config(name, self.arms) for name in sorted(pools)]
         if not configs:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from collectors.observations import RequestObservation
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.store.records import WindowStatRecord
 
 
@@ -45,16 +45,16 @@ class ControlPolicy(Protocol):
         """Learn from one finished request."""
         ...
 
-    def decide(self, context: ContextKey, allowed_arms: Sequence[str], current: str) -> ArmChoice:
+    def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
         """The arm this context should run now, among ``allowed_arms``; ``current`` runs now."""
         ...
 
-    def set_pins(self, pins: Mapping[ContextKey, str]) -> None:
+    def set_pins(self, pins: Mapping[Context, str]) -> None:
         """Contexts an operator pinned, and to which arm: the policy does not choose there
         (and should not count on exploring there) until the pin is gone."""
         ...
 
-    def estimates(self, context: ContextKey) -> Sequence[ArmEstimate]:
+    def estimates(self, context: Context) -> Sequence[ArmEstimate]:
         """What the policy believes about each arm of this context (may be empty)."""
         ...
 

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from policies.arms import Arm
+
 OFF = "off"
 
 # vLLM 0.32 SpeculativeConfig.method values (the MTP family shares one code path).
@@ -170,13 +172,14 @@ class Proposer:
 
 
 def parse_arm(arm: str) -> tuple[str, int] | None:
-    """``"ngram:4"`` → ``("ngram", 4)``; ``"off"`` → None."""
-    if arm == OFF:
+    """``"ngram:4"`` → ``("ngram", 4)``; ``"off"`` → None (text form of ``policies.arms.Arm``)."""
+    try:
+        parsed = Arm.parse(arm)
+    except ValueError as error:
+        raise SpecConfigError(str(error)) from None
+    if parsed.proposer is None:
         return None
-    name, sep, gamma = arm.rpartition(":")
-    if not sep or not name or not gamma.isdigit() or int(gamma) < 1:
-        raise SpecConfigError(f"arm {arm!r} is neither 'off' nor '<proposer>:<gamma>'")
-    return name, int(gamma)
+    return parsed.proposer, parsed.gamma
 
 
 def arm_config(arm: str, proposers: Sequence[Proposer]) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.store.models import (
     AlertRow,
     Base,
@@ -342,7 +342,7 @@ class Store:
 
         return [
             StatsRow(
-                context=ContextKey(m, c, b),
+                context=Context(m, c, b),
                 arm=arm,
                 requests=int(acc[0]),
                 output_tokens=int(acc[1]),
@@ -392,7 +392,7 @@ class Store:
         self.record_decision(decision)
         return True
 
-    def set_measured_speedup(self, context: ContextKey, decided_at: float, value: float) -> None:
+    def set_measured_speedup(self, context: Context, decided_at: float, value: float) -> None:
         """Fill in what a decision (known by its context and time) turned out to buy."""
         with self._session() as session, session.begin():
             session.execute(
@@ -411,7 +411,7 @@ class Store:
         *,
         limit: int = 50,
         before: int | None = None,
-        context: ContextKey | None = None,
+        context: Context | None = None,
         model: str | None = None,
         workload_class: str | None = None,
         bucket: str | None = None,
@@ -435,7 +435,7 @@ class Store:
         page = tuple(_decision(r) for r in rows[:limit])
         return DecisionPage(page, page[-1].id if len(rows) > limit and page else None)
 
-    def latest_decisions(self) -> dict[ContextKey, DecisionRecord]:
+    def latest_decisions(self) -> dict[Context, DecisionRecord]:
         """The newest decision of every context: what each context runs now."""
         d = DecisionRow
         newest = (
@@ -586,7 +586,7 @@ def _record(kind: type[R], row: Base) -> R:
 def _decision(row: DecisionRow) -> DecisionRecord:
     return DecisionRecord(
         ts=row.ts,
-        context=ContextKey(row.model, row.workload_class, row.bucket),
+        context=Context(row.model, row.workload_class, row.bucket),
         arm=row.arm,
         previous_arm=row.previous_arm,
         reason=row.reason,

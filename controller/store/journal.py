@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.store.db import Store
 from controller.store.records import AlertRecord, DecisionRecord
 
@@ -67,5 +67,5 @@ class Journal:
 
 def _entry(kind: str, record: dict[str, Any]) -> Entry:
     if kind == "decision":
-        return DecisionRecord(**{**record, "context": ContextKey(**record["context"]), "id": None})
+        return DecisionRecord(**{**record, "context": Context(**record["context"]), "id": None})
     return AlertRecord(**{**record, "id": None})

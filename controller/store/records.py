@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from controller.contexts import WILDCARD, ContextKey
+from controller.contexts import WILDCARD, Context
 
 Actor = Literal["policy", "operator"]
 
@@ -17,7 +17,7 @@ Actor = Literal["policy", "operator"]
 @dataclass(frozen=True, slots=True)
 class ObservationRecord:
     ts: float
-    context: ContextKey
+    context: Context
     arm: str
     pool: str | None = None
     output_tokens: int | None = None
@@ -46,7 +46,7 @@ class WindowStatRecord:
 @dataclass(frozen=True, slots=True)
 class DecisionRecord:
     ts: float
-    context: ContextKey
+    context: Context
     arm: str
     previous_arm: str | None
     reason: str
@@ -64,7 +64,7 @@ class Scope:
     workload_class: str = WILDCARD
     bucket: str = WILDCARD
 
-    def matches(self, context: ContextKey) -> bool:
+    def matches(self, context: Context) -> bool:
         return all(
             want in (WILDCARD, have)
             for want, have in (
@@ -109,7 +109,7 @@ class AlertRecord:
 class StatsRow:
     """Observed figures for one (context, arm) over a window, from raw rows and roll-ups."""
 
-    context: ContextKey
+    context: Context
     arm: str
     requests: int
     output_tokens: int

@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.ports import ArmChoice, ArmEstimate, Collected
 from controller.settings import Settings
 
 
-def key(context: ContextKey, arm: str) -> str:
+def key(context: Context, arm: str) -> str:
     return f"{context}|{arm}"
 
 
@@ -29,8 +29,8 @@ class ScriptedPolicy:
     def __init__(self, edges: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> None:
         self.edges = edges
         self.tpot: dict[str, list[float]] = {}
-        self.script: dict[ContextKey, str] = {}
-        self.pins: dict[ContextKey, str] = {}
+        self.script: dict[Context, str] = {}
+        self.pins: dict[Context, str] = {}
         self.observed = 0
 
     def observe(self, observation: RequestObservation) -> None:
@@ -45,11 +45,11 @@ class ScriptedPolicy:
         entry[0] += observation.tpot_s
         entry[1] += 1
 
-    def mean(self, context: ContextKey, arm: str) -> float | None:
+    def mean(self, context: Context, arm: str) -> float | None:
         entry = self.tpot.get(key(context, arm))
         return entry[0] / entry[1] if entry and entry[1] else None
 
-    def decide(self, context: ContextKey, allowed_arms: Sequence[str], current: str) -> ArmChoice:
+    def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
         if context in self.script:
             return ArmChoice(self.script[context], "scripted", 1.5)
         means = {a: m for a in allowed_arms if (m := self.mean(context, a)) is not None}
@@ -59,10 +59,10 @@ class ScriptedPolicy:
         off = self.mean(context, "off")
         return ArmChoice(best, "fastest observed", off / means[best] if off else None)
 
-    def set_pins(self, pins: Mapping[ContextKey, str]) -> None:
+    def set_pins(self, pins: Mapping[Context, str]) -> None:
         self.pins = dict(pins)
 
-    def estimates(self, context: ContextKey) -> Sequence[ArmEstimate]:
+    def estimates(self, context: Context) -> Sequence[ArmEstimate]:
         off = self.mean(context, "off")
         out = []
         for k, (total, count) in sorted(self.tpot.items()):

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.api import create_app
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.service import Service, build_service
 from controller.store.records import DecisionRecord, ObservationRecord
 from tests.controller.conftest import LiveServer, PgDatabase, make_settings
@@ -180,7 +180,7 @@ def test_decisions_paginated_newest_first(api: Api) -> None:
         store.record_decision(
             DecisionRecord(
                 float(i),
-                ContextKey("m", "chat", "4+"),
+                Context("m", "chat", "4+"),
                 f"ngram:{i % 4 + 1}",
                 None,
                 f"step {i}",
@@ -202,10 +202,10 @@ def test_stats_filtered_by_class_and_window(api: Api) -> None:
     store.add_observations(
         [
             ObservationRecord(
-                now - 10, ContextKey("m", "code", "1-3"), "ngram:3", "p", 100, 0.01, 0.1, 0.8, 3.4
+                now - 10, Context("m", "code", "1-3"), "ngram:3", "p", 100, 0.01, 0.1, 0.8, 3.4
             ),
-            ObservationRecord(now - 10, ContextKey("m", "chat", "1-3"), "off", "p", 50, 0.02),
-            ObservationRecord(now - 7200, ContextKey("m", "code", "1-3"), "off", "p", 50, 0.02),
+            ObservationRecord(now - 10, Context("m", "chat", "1-3"), "off", "p", 50, 0.02),
+            ObservationRecord(now - 7200, Context("m", "code", "1-3"), "off", "p", 50, 0.02),
         ]
     )
     rows = api.client.get("/v1/stats", params={"class": "code", "window_s": 60}).json()["rows"]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from controller.actuators.file import FileActuator
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.fleet import PoolConfig
 from controller.ports import Collected
 from controller.service import Service, build_service
@@ -28,9 +28,9 @@ from controller.store.records import OverrideRecord, Scope
 from tests.controller.conftest import PgDatabase, make_settings
 from tests.controller.fakes import QueueSource, ScriptedPolicy, observation
 
-CODE_LOW = ContextKey("m", "code", "1-3")
-CODE_HIGH = ContextKey("m", "code", "4+")
-CHAT_LOW = ContextKey("m", "chat", "1-3")
+CODE_LOW = Context("m", "code", "1-3")
+CODE_HIGH = Context("m", "code", "4+")
+CHAT_LOW = Context("m", "chat", "1-3")
 
 
 class Clock:

@@ -144,5 +144,5 @@ def test_arm_round_trip_through_config() -> None:
     assert parse_arm("tiny:3") == ("tiny", 3)
     with pytest.raises(SpecConfigError, match="outside"):
         arm_config("tiny:9", PROPOSERS)
-    with pytest.raises(SpecConfigError, match="neither"):
+    with pytest.raises(SpecConfigError, match="gamma must be >= 1"):
         parse_arm("ngram:0")

@@ -9,7 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from controller.contexts import ContextKey
+from controller.contexts import Context
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store, StoreUnavailable
 from controller.store.models import Base
@@ -23,8 +23,8 @@ from controller.store.records import (
 )
 from tests.controller.conftest import PgDatabase, free_port
 
-CODE = ContextKey("m", "code", "1")
-CHAT = ContextKey("m", "chat", "2-3")
+CODE = Context("m", "code", "1")
+CHAT = Context("m", "chat", "2-3")
 
 
 @pytest.fixture
@@ -50,9 +50,7 @@ def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
     store.close()
 
 
-def decision(
-    ts: float, arm: str, previous: str | None, context: ContextKey = CODE
-) -> DecisionRecord:
+def decision(ts: float, arm: str, previous: str | None, context: Context = CODE) -> DecisionRecord:
     return DecisionRecord(
         ts=ts,
         context=context,
