@@ -110,6 +110,9 @@ class BanditConfig:
     probe_max_slowdown: float = 0.02
     """A probe may make the batch's steps at most this much slower."""
     trials_per_request: float = 20.0
+    min_evidence_requests: float = 8.0
+    """Dwell and hysteresis only hold arms whose class × proposer acceptance rests on at
+    least this many (discounted) requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,8 @@ class Decision:
     context: Context
     arm: Arm
     reason: str
-    """``override``, ``best``, ``guard_off``, ``dwell``, ``learning``, ``explore`` or ``probe``."""
+    """``override``, ``best``, ``guard_off``, ``dwell``, ``hysteresis``, ``learning``,
+    ``explore`` or ``probe``."""
     predicted_speedup: float | None = None
     interval: tuple[float, float] | None = None
     explored: bool = False
@@ -462,9 +466,10 @@ class SpecPilotPolicy:
         now = self.clock()
         plan = self._plans.get((model, bucket))
         observations = self._observations.get(model, 0)
+        # Early on every observation changes the picture a lot: re-plan more often.
+        every = min(self.config.refresh_observations, max(4, observations // 4))
         if plan is not None and (
-            observations - plan.observations < self.config.refresh_observations
-            and now - plan.at < self.config.refresh_s
+            observations - plan.observations < every and now - plan.at < self.config.refresh_s
         ):
             return
         self._plan(model, bucket, now, observations)
@@ -575,6 +580,13 @@ class SpecPilotPolicy:
                 unsafe.add(cls)
         return guarded, unsafe
 
+    def _mature(self, context: Context, arm: Arm) -> bool:
+        if arm.proposer is None:
+            return True
+        key = (context.model, context.workload_class, arm.proposer)
+        model = self._acceptance.get(key)
+        return model is not None and model.requests >= self.config.min_evidence_requests
+
     def _commit(
         self,
         context: Context,
@@ -608,6 +620,11 @@ class SpecPilotPolicy:
             return
         if candidate == current.arm:
             current.reason = "guard_off" if cls in unsafe else "best"
+            return
+        if not (self._mature(context, current.arm) and self._mature(context, candidate)):
+            # Dwell and hysteresis protect decisions made on evidence; while the
+            # posteriors are still mostly prior, following the plan is how they mature.
+            self._commitments[context] = _Commitment(candidate, now, "learning")
             return
         if now - current.since < self.config.dwell_s:
             current.reason = "dwell"
