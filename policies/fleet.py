@@ -167,19 +167,44 @@ def best_assignment(
     start: Mapping[str, Arm] | None = None,
     max_rounds: int = 4,
 ) -> dict[str, Arm]:
-    """The per-class arms that maximise :func:`steady_goodput` (coordinate ascent).
+    """The per-class arms that maximise :func:`steady_goodput`.
 
-    Classes share a batch, so one class's arm changes what the others pay; each round
-    re-picks every class's best arm given the rest until nothing changes. Starting
-    from the current decisions keeps the answer stable when several are equally good.
-    The objective is evaluated incrementally (this runs inside every re-plan): with
-    the other classes fixed, slots W, verified positions V and drafting depths are
-    sums and maxima that one class's arm only adds to.
+    Classes share a batch, so one class's arm changes what the others pay: a proposer
+    whose drafting two classes share can look indispensable to each of them alone.
+    Coordinate ascent therefore runs from the current decisions (which keeps the answer
+    stable when several are equally good) and from everything off, and the better end
+    point wins.
+    """
+    best, best_value = _coordinate_ascent(
+        concurrency, token_shares, tokens_per_step, arms, cost, start, max_rounds
+    )
+    if start:
+        other, other_value = _coordinate_ascent(
+            concurrency, token_shares, tokens_per_step, arms, cost, None, max_rounds
+        )
+        if other_value > best_value * (1 + 1e-9):
+            best = other
+    return best
+
+
+def _coordinate_ascent(
+    concurrency: float,
+    token_shares: Mapping[str, float],
+    tokens_per_step: TokensPerStep,
+    arms: Sequence[Arm],
+    cost: CostParams,
+    start: Mapping[str, Arm] | None = None,
+    max_rounds: int = 4,
+) -> tuple[dict[str, Arm], float]:
+    """Coordinate ascent from ``start``: each round re-picks every class's best arm
+    given the rest until nothing changes. The objective is evaluated incrementally
+    (this runs inside every re-plan): with the other classes fixed, slots W, verified
+    positions V and drafting depths are sums and maxima one class's arm only adds to.
     """
     classes = sorted(c for c, s in token_shares.items() if s > 0)
     current = {c: (start or {}).get(c, OFF) for c in classes}
     if not classes or concurrency <= 0:
-        return current
+        return current, 0.0
     expected = {(c, a): tokens_per_step(c, a) for c in classes for a in arms}
     expected.update({(c, a): tokens_per_step(c, a) for c, a in current.items()})
     total_share = sum(token_shares[c] for c in classes)
@@ -188,6 +213,9 @@ def best_assignment(
     def value(slots: float, verify: float, drafting: float) -> float:
         step = step_s * max(1.0, concurrency * verify / slots / knee) + drafting
         return concurrency * total_share / slots / step
+
+    def value_of(assignment: Mapping[str, Arm]) -> float:
+        return steady_goodput(concurrency, token_shares, tokens_per_step, assignment, cost)
 
     for _ in range(max_rounds):
         changed = False
@@ -231,4 +259,4 @@ def best_assignment(
                 changed = True
         if not changed:
             break
-    return current
+    return current, value_of(current)
