@@ -26,6 +26,7 @@ exploration is capped to ``explore_cap`` of requests; operator overrides always 
 
 The API the controller uses:
 
+* ``context(model, workload_class, concurrency) -> Context``: bucket a request;
 * ``select(context) -> Arm`` (or ``choose`` for the full :class:`Decision`): per request,
   may explore within the cap;
 * ``decide(context) -> Decision``: the committed arm for a context, with the reason and
@@ -218,6 +219,10 @@ class SpecPilotPolicy:
         self.change_events: list[ChangeEvent] = []
 
     # -- the controller's API ------------------------------------------------------
+
+    def context(self, model: str, workload_class: str, concurrency: int) -> Context:
+        """The context of a request, bucketed with this policy's bucket edges."""
+        return Context(model, workload_class, self.config.buckets.bucket(concurrency))
 
     def select(self, context: Context) -> Arm:
         """The arm for one request of ``context`` (may explore, within the cap)."""
