@@ -734,7 +734,11 @@ class SpecPilotPolicy:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything learned and committed, JSON-able (RNG and clock stay injected)."""
+        """Everything learned and committed, JSON-able (RNG and clock stay injected).
+
+        The time-integrated batch history that attributes step times to requests is
+        not saved: requests in flight across a restore teach acceptance, not cost.
+        """
 
         def finite(value: float) -> float | None:
             return value if math.isfinite(value) else None
