@@ -13,8 +13,9 @@ What it learns, and where each piece is shared:
 The reward of an arm for a context is the per-token latency speed-up of that class
 relative to no speculation at the same concurrency, as the fleet model predicts it;
 because classes share a batch, the arms of all classes in a bucket are chosen jointly
-(:func:`policies.fleet.best_assignment`). Thompson sampling draws a plausible world from
-the posteriors and explores the arm that world prefers; evidence is discounted with a
+(:func:`policies.fleet.best_assignment`). Thompson sampling draws plausible acceptances
+from their posteriors and explores the arm that world prefers (at the mean step cost:
+see ``_plan``); evidence is discounted with a
 half-life so the bandit keeps adapting, and a CUSUM change detector per class ×
 proposer resets acceptance that went stale.
 
@@ -523,8 +524,12 @@ class SpecPilotPolicy:
         }
         best = best_assignment(concurrency, shares, mean_tokens, self.arms, mean_cost, committed)
         guarded, unsafe = self._guard(concurrency, shares, best, drawn_e, worlds)
+        # Exploration samples acceptance only. Sampling the cost model too would send
+        # requests, at high load, to worlds where the knee is far above anything seen,
+        # and every such request slows the whole batch; the cost model learns from
+        # every request anyway, and the guard still uses its posterior draws.
         thompson = best_assignment(
-            concurrency, shares, first_draw_tokens, self.arms, cost_draws[0], guarded
+            concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded
         )
         probe_ok = self._cheap_probes(model, mean_cost)
         self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
