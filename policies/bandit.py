@@ -13,8 +13,9 @@ What it learns, and where each piece is shared:
 The reward of an arm for a context is the per-token latency speed-up of that class
 relative to no speculation at the same concurrency, as the fleet model predicts it;
 because classes share a batch, the arms of all classes in a bucket are chosen jointly
-(:func:`policies.fleet.best_assignment`). Thompson sampling draws a plausible world from
-the posteriors and explores the arm that world prefers; evidence is discounted with a
+(:func:`policies.fleet.best_assignment`). Thompson sampling draws plausible acceptances
+from their posteriors and explores the arm that world prefers (at the mean step cost:
+see ``_plan``); evidence is discounted with a
 half-life so the bandit keeps adapting, and a CUSUM change detector per class ×
 proposer resets acceptance that went stale.
 
@@ -26,6 +27,7 @@ exploration is capped to ``explore_cap`` of requests; operator overrides always 
 
 The API the controller uses:
 
+* ``context(model, workload_class, concurrency) -> Context``: bucket a request;
 * ``select(context) -> Arm`` (or ``choose`` for the full :class:`Decision`): per request,
   may explore within the cap;
 * ``decide(context) -> Decision``: the committed arm for a context, with the reason and
@@ -110,6 +112,9 @@ class BanditConfig:
     probe_max_slowdown: float = 0.02
     """A probe may make the batch's steps at most this much slower."""
     trials_per_request: float = 20.0
+    min_evidence_requests: float = 8.0
+    """Dwell and hysteresis only hold arms whose class × proposer acceptance rests on at
+    least this many (discounted) requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +129,8 @@ class Decision:
     context: Context
     arm: Arm
     reason: str
-    """``override``, ``best``, ``guard_off``, ``dwell``, ``learning``, ``explore`` or ``probe``."""
+    """``override``, ``best``, ``guard_off``, ``dwell``, ``hysteresis``, ``learning``,
+    ``explore`` or ``probe``."""
     predicted_speedup: float | None = None
     interval: tuple[float, float] | None = None
     explored: bool = False
@@ -214,6 +220,10 @@ class SpecPilotPolicy:
         self.change_events: list[ChangeEvent] = []
 
     # -- the controller's API ------------------------------------------------------
+
+    def context(self, model: str, workload_class: str, concurrency: int) -> Context:
+        """The context of a request, bucketed with this policy's bucket edges."""
+        return Context(model, workload_class, self.config.buckets.bucket(concurrency))
 
     def select(self, context: Context) -> Arm:
         """The arm for one request of ``context`` (may explore, within the cap)."""
@@ -462,9 +472,10 @@ class SpecPilotPolicy:
         now = self.clock()
         plan = self._plans.get((model, bucket))
         observations = self._observations.get(model, 0)
+        # Early on every observation changes the picture a lot: re-plan more often.
+        every = min(self.config.refresh_observations, max(4, observations // 4))
         if plan is not None and (
-            observations - plan.observations < self.config.refresh_observations
-            and now - plan.at < self.config.refresh_s
+            observations - plan.observations < every and now - plan.at < self.config.refresh_s
         ):
             return
         self._plan(model, bucket, now, observations)
@@ -513,8 +524,12 @@ class SpecPilotPolicy:
         }
         best = best_assignment(concurrency, shares, mean_tokens, self.arms, mean_cost, committed)
         guarded, unsafe = self._guard(concurrency, shares, best, drawn_e, worlds)
+        # Exploration samples acceptance only. Sampling the cost model too would send
+        # requests, at high load, to worlds where the knee is far above anything seen,
+        # and every such request slows the whole batch; the cost model learns from
+        # every request anyway, and the guard still uses its posterior draws.
         thompson = best_assignment(
-            concurrency, shares, first_draw_tokens, self.arms, cost_draws[0], guarded
+            concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded
         )
         probe_ok = self._cheap_probes(model, mean_cost)
         self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
@@ -575,6 +590,13 @@ class SpecPilotPolicy:
                 unsafe.add(cls)
         return guarded, unsafe
 
+    def _mature(self, context: Context, arm: Arm) -> bool:
+        if arm.proposer is None:
+            return True
+        key = (context.model, context.workload_class, arm.proposer)
+        model = self._acceptance.get(key)
+        return model is not None and model.requests >= self.config.min_evidence_requests
+
     def _commit(
         self,
         context: Context,
@@ -608,6 +630,11 @@ class SpecPilotPolicy:
             return
         if candidate == current.arm:
             current.reason = "guard_off" if cls in unsafe else "best"
+            return
+        if not (self._mature(context, current.arm) and self._mature(context, candidate)):
+            # Dwell and hysteresis protect decisions made on evidence; while the
+            # posteriors are still mostly prior, following the plan is how they mature.
+            self._commitments[context] = _Commitment(candidate, now, "learning")
             return
         if now - current.since < self.config.dwell_s:
             current.reason = "dwell"
@@ -712,7 +739,11 @@ class SpecPilotPolicy:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything learned and committed, JSON-able (RNG and clock stay injected)."""
+        """Everything learned and committed, JSON-able (RNG and clock stay injected).
+
+        The time-integrated batch history that attributes step times to requests is
+        not saved: requests in flight across a restore teach acceptance, not cost.
+        """
 
         def finite(value: float) -> float | None:
             return value if math.isfinite(value) else None

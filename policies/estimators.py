@@ -332,12 +332,6 @@ class StepCostModel:
             precision,
         )
 
-    def knee_weights(self) -> FloatArray:
-        _, _, log_likelihood, _ = self._fit()
-        weights = np.exp(log_likelihood - log_likelihood.max())
-        result: FloatArray = weights / weights.sum()
-        return result
-
     def mean_params(self) -> CostParams:
         fitted = self._fit()
         if self._mean_params is None:

@@ -167,21 +167,24 @@ def best_assignment(
     start: Mapping[str, Arm] | None = None,
     max_rounds: int = 4,
 ) -> dict[str, Arm]:
-    """The per-class arms that maximise :func:`steady_goodput` (coordinate ascent).
+    """The per-class arms that maximise :func:`steady_goodput`.
 
-    Classes share a batch, so one class's arm changes what the others pay; each round
-    re-picks every class's best arm given the rest until nothing changes. Starting
-    from the current decisions keeps the answer stable when several are equally good.
-    The objective is evaluated incrementally (this runs inside every re-plan): with
-    the other classes fixed, slots W, verified positions V and drafting depths are
-    sums and maxima that one class's arm only adds to.
+    Classes share a batch, so one class's arm changes what the others pay: a proposer
+    whose drafting two classes share can look indispensable to each of them alone.
+    Coordinate ascent (each round re-picks every class's best arm given the rest until
+    nothing changes) therefore runs from the current decisions, which keeps the answer
+    stable when several are equally good, and from everything off; the better end
+    point wins. The objective is evaluated incrementally (this runs inside every
+    re-plan): with the other classes fixed, slots W, verified positions V and drafting
+    depths are sums and maxima that one class's arm only adds to.
     """
     classes = sorted(c for c, s in token_shares.items() if s > 0)
-    current = {c: (start or {}).get(c, OFF) for c in classes}
     if not classes or concurrency <= 0:
-        return current
+        return {c: (start or {}).get(c, OFF) for c in classes}
     expected = {(c, a): tokens_per_step(c, a) for c in classes for a in arms}
-    expected.update({(c, a): tokens_per_step(c, a) for c, a in current.items()})
+    for cls, arm in (start or {}).items():
+        if cls in token_shares:
+            expected[(cls, arm)] = tokens_per_step(cls, arm)
     total_share = sum(token_shares[c] for c in classes)
     step_s, knee = cost.step_s, cost.knee_tokens
 
@@ -189,46 +192,57 @@ def best_assignment(
         step = step_s * max(1.0, concurrency * verify / slots / knee) + drafting
         return concurrency * total_share / slots / step
 
-    for _ in range(max_rounds):
-        changed = False
-        for cls in classes:
-            slots = verify = 0.0
-            depth: dict[str, int] = {}
-            for other in classes:
-                if other == cls:
-                    continue
-                arm = current[other]
-                weight = token_shares[other] / expected[(other, arm)]
-                slots += weight
-                verify += weight * arm.verify_tokens
-                if arm.proposer is not None:
-                    depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
-            drafting = sum(cost.draft_cost.get(p, 0.0) * step_s * d for p, d in depth.items())
-            share = token_shares[cls]
+    def ascend(current: dict[str, Arm]) -> dict[str, Arm]:
+        for _ in range(max_rounds):
+            changed = False
+            for cls in classes:
+                slots = verify = 0.0
+                depth: dict[str, int] = {}
+                for other in classes:
+                    if other == cls:
+                        continue
+                    arm = current[other]
+                    weight = token_shares[other] / expected[(other, arm)]
+                    slots += weight
+                    verify += weight * arm.verify_tokens
+                    if arm.proposer is not None:
+                        depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
+                drafting = sum(cost.draft_cost.get(p, 0.0) * step_s * d for p, d in depth.items())
+                share = token_shares[cls]
 
-            def score(arm: Arm) -> float:
-                weight = share / expected[(cls, arm)]  # noqa: B023 - evaluated immediately
-                extra = 0.0
-                if arm.proposer is not None:
-                    deeper = arm.gamma - depth.get(arm.proposer, 0)  # noqa: B023
-                    if deeper > 0:
-                        extra = cost.draft_cost.get(arm.proposer, 0.0) * step_s * deeper
-                return value(
-                    slots + weight,  # noqa: B023
-                    verify + weight * arm.verify_tokens,  # noqa: B023
-                    drafting + extra,  # noqa: B023
-                )
+                def score(arm: Arm) -> float:
+                    weight = share / expected[(cls, arm)]  # noqa: B023 - used at once
+                    extra = 0.0
+                    if arm.proposer is not None:
+                        deeper = arm.gamma - depth.get(arm.proposer, 0)  # noqa: B023
+                        if deeper > 0:
+                            extra = cost.draft_cost.get(arm.proposer, 0.0) * step_s * deeper
+                    return value(
+                        slots + weight,  # noqa: B023
+                        verify + weight * arm.verify_tokens,  # noqa: B023
+                        drafting + extra,  # noqa: B023
+                    )
 
-            best_arm = current[cls]
-            best_value = score(best_arm)
-            for arm in arms:
-                if arm != best_arm:
-                    candidate = score(arm)
-                    if candidate > best_value * (1 + 1e-9):
-                        best_arm, best_value = arm, candidate
-            if best_arm != current[cls]:
-                current[cls] = best_arm
-                changed = True
-        if not changed:
-            break
-    return current
+                best_arm = current[cls]
+                best_value = score(best_arm)
+                for arm in arms:
+                    if arm != best_arm:
+                        candidate = score(arm)
+                        if candidate > best_value * (1 + 1e-9):
+                            best_arm, best_value = arm, candidate
+                if best_arm != current[cls]:
+                    current[cls] = best_arm
+                    changed = True
+            if not changed:
+                break
+        return current
+
+    def goodput(assignment: Mapping[str, Arm]) -> float:
+        return steady_goodput(concurrency, token_shares, tokens_per_step, assignment, cost)
+
+    best = ascend({c: (start or {}).get(c, OFF) for c in classes})
+    if start:
+        other = ascend(dict.fromkeys(classes, OFF))
+        if goodput(other) > goodput(best) * (1 + 1e-9):
+            best = other
+    return best

@@ -301,7 +301,8 @@ class Engine:
             prompt_tokens=None,
             output_tokens=flight.request.output_tokens,
             ttft_s=first - flight.admitted_at,
-            mean_itl_s=generation / (plan.steps - 1) if plan.steps > 1 else None,
+            # vLLM's per-request mean_itl is per token, not per step.
+            mean_itl_s=generation / (flight.request.output_tokens - 1),
             generation_time_s=generation,
             spec=spec,
             workload_class=flight.request.workload_class,

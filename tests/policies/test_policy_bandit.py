@@ -75,6 +75,7 @@ def test_overrides_always_win() -> None:
     scn = scenario(duration_s=200)
     policy, _ = run_specpilot(scn)
     chat = Context("sim-model", "chat", "2-3")
+    assert policy.context("sim-model", "chat", 3) == chat
     policy.set_override(Arm("ngram", 2), workload_class="chat")
     policy.set_override(Arm("eagle3", 1), workload_class="chat", bucket="32+")
     for _ in range(50):

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from policies.arms import OFF, Arm, Context
+from policies.arms import OFF, Arm
+from policies.baselines import StaticPolicy
 from simulator.calibration import EAGLE3_DRAFT_COST, VANILLA_DRAFT_COST, calibration_scenario
 from simulator.run import simulate
 from simulator.scenario import Scenario
 
 
-class _Fixed:
-    def __init__(self, arm: Arm) -> None:
-        self.arm = arm
-        self.name = str(arm)
-
-    def select(self, context: Context) -> Arm:
-        return self.arm
-
-    def best_guess(self, context: Context) -> Arm:
-        return self.arm
-
-    def observe(self, observation: object) -> None:
-        pass
-
-
 def _ratio(scenario: Scenario, arm: Arm) -> float:
     def make(arm: Arm):  # type: ignore[no-untyped-def]
-        return lambda clock: _Fixed(arm)
+        return lambda clock: StaticPolicy(arm)
 
     off = simulate(scenario, make(OFF))
     spec = simulate(scenario, make(arm))
@@ -56,8 +42,8 @@ def test_gain_gone_by_about_12_requests_per_second_at_gamma_5() -> None:
             output_tokens=128,
             duration_s=120,
         )
-        off = simulate(scenario, lambda clock: _Fixed(OFF))
-        spec = simulate(scenario, lambda clock: _Fixed(Arm("draft", 5)))
+        off = simulate(scenario, lambda clock: StaticPolicy(OFF))
+        spec = simulate(scenario, lambda clock: StaticPolicy(Arm("draft", 5)))
         return spec.goodput / off.goodput, len(off.tpots) / scenario.duration_s
 
     light_ratio, light_rate = at(8)

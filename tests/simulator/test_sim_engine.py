@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.arms import OFF, Arm, Context
+from policies.arms import OFF, Arm
+from policies.baselines import StaticPolicy
 from policies.fleet import CostParams
 from policies.speedup import counterfactual_expected_tokens
 from simulator.engine import Engine, SimRequest, Traffic, plan_request
@@ -24,23 +25,6 @@ def _scenario(**extra: object) -> Scenario:
     }
     data.update(extra)
     return parse_scenario(data)
-
-
-class _Fixed:
-    def __init__(self, arm: Arm) -> None:
-        self.arm = arm
-        self.name = str(arm)
-        self.seen: list[str] = []
-
-    def select(self, context: Context) -> Arm:
-        self.seen.append(context.workload_class)
-        return self.arm
-
-    def best_guess(self, context: Context) -> Arm:
-        return self.arm
-
-    def observe(self, observation: object) -> None:
-        pass
 
 
 def test_traffic_is_the_same_for_every_policy() -> None:
@@ -91,10 +75,10 @@ def test_batch_shares_one_step_time() -> None:
 
 def test_simulation_is_deterministic_and_speculation_helps_at_low_load() -> None:
     scenario = _scenario()
-    off_a = simulate(scenario, lambda clock: _Fixed(OFF))
-    off_b = simulate(scenario, lambda clock: _Fixed(OFF))
+    off_a = simulate(scenario, lambda clock: StaticPolicy(OFF))
+    off_b = simulate(scenario, lambda clock: StaticPolicy(OFF))
     assert off_a.tokens == off_b.tokens and off_a.tpots == off_b.tpots
-    spec = simulate(scenario, lambda clock: _Fixed(Arm("eagle3", 4)))
+    spec = simulate(scenario, lambda clock: StaticPolicy(Arm("eagle3", 4)))
     assert spec.goodput > 1.5 * off_a.goodput
     assert spec.mean_tpot_s < off_a.mean_tpot_s
 
@@ -103,7 +87,7 @@ def test_closed_loop_follows_phases() -> None:
     scenario = _scenario(
         phases=[{"at_s": 0, "concurrency": 1}, {"at_s": 60, "concurrency": 8}], duration_s=120
     )
-    result = simulate(scenario, lambda clock: _Fixed(OFF))
+    result = simulate(scenario, lambda clock: StaticPolicy(OFF))
     early = [a for a in result.admissions if a.at_s < 60]
     late = [a for a in result.admissions if a.at_s >= 60]
     assert len(late) > 4 * len(early)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.arms import OFF, Arm
+from policies.estimators import AcceptanceModel, BatchTracker, ChangeDetector, StepCostModel
+from policies.fleet import CostParams
+from policies.speedup import expected_tokens
+
+
+def _per_position(rng: np.random.Generator, alpha: float, gamma: int, steps: int) -> list[int]:
+    accepted = (rng.random((steps, gamma)) < alpha).cumprod(axis=1).sum(axis=1)
+    return [int((accepted > i).sum()) for i in range(gamma)]
+
+
+def test_one_run_at_long_gamma_teaches_every_shorter_gamma() -> None:
+    rng = np.random.default_rng(0)
+    model = AcceptanceModel(8, trials_per_request=1e9)
+    for t in range(30):
+        model.update(_per_position(rng, 0.7, 8, 200), 200, float(t))
+    expected = AcceptanceModel.expected_tokens(model.mean_conditionals())
+    for gamma in (1, 3, 8):
+        assert expected[gamma] == pytest.approx(expected_tokens(0.7, gamma), rel=0.03)
+
+
+def test_untried_deep_positions_borrow_from_shallower_ones() -> None:
+    rng = np.random.default_rng(1)
+    model = AcceptanceModel(6, trials_per_request=1e9)
+    for t in range(30):
+        model.update(_per_position(rng, 0.8, 2, 200), 200, float(t))
+    conditionals = model.mean_conditionals()
+    assert conditionals[5] == pytest.approx(0.8, abs=0.05)
+    samples = model.sample_conditionals(np.random.default_rng(2), 500)
+    assert samples[:, 0].std() < samples[:, 5].std()  # less evidence, wider posterior
+
+
+def test_discounting_forgets_old_evidence() -> None:
+    model = AcceptanceModel(1, half_life_s=10.0, trials_per_request=1e9)
+    model.update([90], 100, 0.0)
+    model.update([10], 100, 100.0)  # ten half-lives later
+    assert model.mean_conditionals()[0] < 0.15
+
+
+def test_change_detector_fires_on_a_shift_not_on_noise() -> None:
+    rng = np.random.default_rng(3)
+    detector = ChangeDetector()
+    assert not any(detector.update(float(x)) for x in rng.normal(0.8, 0.1, 20_000))
+    fired_after = next(
+        i for i, x in enumerate(rng.normal(0.45, 0.1, 50)) if detector.update(float(x))
+    )
+    assert fired_after < 10
+
+
+def test_step_cost_model_recovers_the_engine() -> None:
+    truth = CostParams(step_s=0.03, knee_tokens=64, draft_cost={"eagle3": 0.05, "ngram": 0.01})
+    model = StepCostModel(["eagle3", "ngram"])
+    tracker = BatchTracker(model)
+    rng = np.random.default_rng(4)
+    arms = [OFF, Arm("eagle3", 1), Arm("eagle3", 4), Arm("ngram", 3)]
+    for t in range(400):
+        batch = [arms[i] for i in rng.integers(0, len(arms), size=int(rng.integers(1, 60)))]
+        verify = sum(a.verify_tokens for a in batch)
+        depth: dict[str, int] = {}
+        for arm in batch:
+            if arm.proposer:
+                depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
+        model.update(model.features(verify, depth), truth.batch_step_time(batch), float(t))
+    fitted = model.mean_params()
+    assert fitted.step_s == pytest.approx(0.03, rel=0.02)
+    assert fitted.knee_tokens == pytest.approx(64, rel=0.15)
+    assert fitted.draft_cost["eagle3"] == pytest.approx(0.05, abs=0.01)
+    assert tracker.in_flight == 0
+
+
+def test_batch_tracker_averages_over_a_requests_life() -> None:
+    model = StepCostModel(["eagle3"])
+    tracker = BatchTracker(model)
+    tracker.add(OFF, 0.0)
+    tracker.add(Arm("eagle3", 4), 5.0)  # present for the second half only
+    tracker.remove(Arm("eagle3", 4), 10.0)
+    rows = tracker.mean_rows(0.0, 10.0)
+    assert rows is not None
+    assert rows[0, 1] == pytest.approx(2.0)  # depth 4 for half the time
+    assert tracker.mean_rows(-5.0, 10.0) is None
