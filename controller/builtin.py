@@ -1,9 +1,9 @@
-"""What ``serve`` runs when the settings wire no policy or collector.
+"""What ``serve`` runs when the settings wire no collector, and the policy factories.
 
+The default policy is specpilot's bandit (``controller.wiring.bandit_policy``).
 ``HoldPolicy`` keeps every context on the config its pools run (operators can still
-override); ``NoObservations`` collects nothing. They let the service, its API and its
-overrides run before the real policy and collectors are wired in through
-``settings.wiring``.
+override): name ``controller.builtin:hold_policy`` in ``settings.wiring.policy`` to run
+the service as a pure observer. ``NoObservations`` collects nothing.
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ def load_factory(path: str) -> Any:
 
 
 def policy_from(settings: Settings) -> ControlPolicy:
+    """The policy the settings name; by default specpilot's bandit."""
     if settings.wiring.policy is None:
-        return HoldPolicy()
+        from controller.wiring import bandit_policy
+
+        return bandit_policy(settings)
     policy: ControlPolicy = load_factory(settings.wiring.policy)(settings)
     return policy
 
@@ -64,3 +67,7 @@ def source_from(settings: Settings) -> ObservationSource:
         return NoObservations()
     source: ObservationSource = load_factory(settings.wiring.collector)(settings)
     return source
+
+
+def hold_policy(settings: Settings) -> HoldPolicy:
+    return HoldPolicy()
