@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute sub-commands, in the order `--help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("testbed.cli",)
+COMMAND_MODULES: tuple[str, ...] = ("testbed.cli", "controller.gateway.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,41 @@
+"""The gateway: an OpenAI-compatible reverse proxy that routes, relays and observes.
+
+Public API: :class:`Gateway` (the ASGI app), :class:`Fleet` / :class:`Pool` (where
+requests go), :class:`RoutingTable` / :class:`StaticRoutingTable` (what the control loop
+updates), :class:`Classifier`, :class:`ObservationSink`.
+"""
+
+from controller.gateway.app import Gateway, default_client
+from controller.gateway.classify import Classifier, ConstantClassifier
+from controller.gateway.observe import ObservationSink, observation_from_response
+from controller.gateway.routing import (
+    ConcurrencyBuckets,
+    EjectionPolicy,
+    Fleet,
+    Instance,
+    NoInstanceAvailable,
+    Pool,
+    RouteKey,
+    RoutingTable,
+    StaticRoutingTable,
+)
+from controller.gateway.sse import SseRelay
+
+__all__ = [
+    "Classifier",
+    "ConcurrencyBuckets",
+    "ConstantClassifier",
+    "EjectionPolicy",
+    "Fleet",
+    "Gateway",
+    "Instance",
+    "NoInstanceAvailable",
+    "ObservationSink",
+    "Pool",
+    "RouteKey",
+    "RoutingTable",
+    "SseRelay",
+    "StaticRoutingTable",
+    "default_client",
+    "observation_from_response",
+]

@@ -1,0 +1,413 @@
+"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools, as raw ASGI.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` are classified, routed by the
+routing table, balanced least-in-flight inside the pool, retried on another instance
+while nothing has reached the client yet, relayed (SSE event by event) and observed.
+Every other path (``/v1/models`` included) is passed through to an instance of the
+default pool, since every pool serves the same models.
+
+Raw ASGI rather than Starlette/FastAPI: the proxy touches every streamed chunk, and a
+framework's request/response objects would add allocations per request without buying
+anything here (measured in ``bench/gateway.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import replace
+from typing import Any
+
+import httpx
+
+from collectors.observations import RequestObservation
+from controller.gateway.classify import (
+    DEFAULT_CLASS,
+    WORKLOAD_CLASS_HEADER,
+    Classifier,
+    ConstantClassifier,
+)
+from controller.gateway.observe import ObservationSink, observation_from_response
+from controller.gateway.routing import (
+    Clock,
+    ConcurrencyBuckets,
+    Fleet,
+    Instance,
+    NoInstanceAvailable,
+    Pool,
+    RoutingTable,
+    StaticRoutingTable,
+)
+from controller.gateway.sse import SseRelay
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
+
+INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes. Host and
+# content-length are set by the client library for the upstream request.
+_REQUEST_SKIP = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+    }
+)
+_RESPONSE_SKIP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
+)
+# Statuses that say "this instance cannot serve now", not "this request is wrong":
+# worth another instance while the client has seen nothing.
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class UpstreamFailed(Exception):
+    """An attempt failed before anything reached the client; another instance may serve."""
+
+
+def default_client(max_connections: int = 1024) -> httpx.AsyncClient:
+    """Pooled keep-alive client for the upstreams: no read timeout (a queued vLLM request
+    can wait long before its first token), short connect timeout (a dead port must fail
+    fast so the request moves to another instance)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=2.0, read=None, write=30.0, pool=30.0),
+        limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        ),
+        headers={},
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+class Gateway:
+    """The ASGI app. ``sink`` receives one observation per request that completed.
+
+    ``clock`` (monotonic seconds) drives ejection; ``wall_clock`` stamps
+    ``finished_at``. A client disconnect cancels the upstream request (its connection is
+    closed, which makes vLLM abort the request).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        routing: RoutingTable | None = None,
+        classifier: Classifier | None = None,
+        sink: ObservationSink | None = None,
+        buckets: ConcurrencyBuckets | None = None,
+        client: httpx.AsyncClient | None = None,
+        max_attempts: int = 3,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.routing: RoutingTable = routing or StaticRoutingTable(fleet.default_pool)
+        self.classifier: Classifier = classifier or ConstantClassifier()
+        self.sink = sink
+        self.buckets = buckets or ConcurrencyBuckets()
+        self.max_attempts = max_attempts
+        self._wall_clock = wall_clock
+        self._client = client
+        self._owns_client = client is None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = default_client()
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.aclose()
+            self._client = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        path: str = scope["path"]
+        # Watch for the client going away while we wait on the upstream: uvicorn's send()
+        # silently drops writes to a closed connection, so only receive() tells.
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task))
+        try:
+            if scope["method"] == "POST" and path in INFERENCE_PATHS:
+                await self._inference(scope, body, send)
+            else:
+                await self._passthrough(scope, body, send)
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled() or not watcher.result():
+                raise
+            # The client left: the upstream response was closed on the way out.
+            task.uncancel()
+        finally:
+            watcher.cancel()
+
+    async def _passthrough(self, scope: Scope, body: bytes, send: Send) -> None:
+        headers = _forward_headers(scope)
+        target = self.fleet.default_pool
+        tried: list[Instance] = []
+        for _ in range(self.max_attempts):
+            try:
+                pool, instance = self.fleet.pick(target, tried)
+            except NoInstanceAvailable:
+                break
+            self.fleet.acquire(pool, instance)
+            ok = True
+            try:
+                response = await self._open(scope, instance, headers, body)
+                try:
+                    await _send_start(send, response, keep_length=True)
+                    async for chunk in response.aiter_raw():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    await response.aclose()
+                return
+            except UpstreamFailed:
+                ok = False
+                tried.append(instance)
+            finally:
+                self.fleet.release(pool, instance, ok=ok)
+        await _send_unavailable(send)
+
+    async def _inference(self, scope: Scope, raw_body: bytes, send: Send) -> None:
+        try:
+            body = json.loads(raw_body)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            # Not ours to judge: the upstream answers malformed requests itself.
+            await self._passthrough(scope, raw_body, send)
+            return
+        model = body.get("model")
+        model = model if isinstance(model, str) else None
+        workload_class = self._classify(scope, body)
+        streaming = body.get("stream") is True
+        strip_usage = False
+        upstream_body = raw_body
+        if streaming:
+            options = body.get("stream_options")
+            if options is None or (isinstance(options, dict) and not options.get("include_usage")):
+                # Ask for the usage chunk (per-request metrics ride on it) without turning
+                # on continuous usage, which would change every chunk the client sees.
+                body["stream_options"] = {
+                    **(options or {}),
+                    "include_usage": True,
+                    "continuous_usage_stats": False,
+                }
+                upstream_body = json.dumps(body).encode()
+                strip_usage = True
+
+        fleet = self.fleet
+        bucket = self.buckets.label(fleet.begin(model))
+        try:
+            pool_name = self.routing.pool_for(model, workload_class, bucket)
+            headers = _forward_headers(scope)
+            tried: list[Instance] = []
+            for _ in range(self.max_attempts):
+                try:
+                    pool, instance = fleet.pick(pool_name, tried)
+                except NoInstanceAvailable:
+                    break
+                concurrency = fleet.acquire(pool, instance)
+                ok = True
+                try:
+                    response = await self._open(scope, instance, headers, upstream_body)
+                    try:
+                        if streaming:
+                            document = await _relay_stream(send, response, strip_usage)
+                        else:
+                            document = await _relay_whole(send, response)
+                    finally:
+                        await response.aclose()
+                except UpstreamFailed:
+                    ok = False
+                    tried.append(instance)
+                    continue
+                except httpx.TransportError:
+                    # Broken after the first byte reached the client: too late to retry.
+                    ok = False
+                    raise
+                finally:
+                    fleet.release(pool, instance, ok=ok)
+                if self.sink is not None and response.status_code == 200:
+                    self._observe(document, model, workload_class, pool, concurrency)
+                return
+            await _send_unavailable(send)
+        finally:
+            fleet.end(model)
+
+    def _classify(self, scope: Scope, body: dict[str, Any]) -> str:
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        for name, value in raw_headers:
+            if name == WORKLOAD_CLASS_HEADER and value.strip():
+                return value.decode("latin-1").strip()
+        try:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+            return self.classifier(headers, body)
+        except Exception:
+            logger.exception("classifier failed; using the default class")
+            return DEFAULT_CLASS
+
+    async def _open(
+        self, scope: Scope, instance: Instance, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpx.Response:
+        """Send the request to ``instance`` and wait for its status line.
+
+        Raises :class:`UpstreamFailed` when the instance could not serve (connection
+        failure or a 502/503/504), which is always before the client saw a byte.
+        """
+        url = instance.base_url + scope["path"]
+        query: bytes = scope.get("query_string", b"")
+        if query:
+            url += "?" + query.decode("latin-1")
+        client = self.client
+        request = client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise UpstreamFailed(f"{instance.base_url}: {exc!r}") from exc
+        if response.status_code in _RETRY_STATUSES:
+            await response.aclose()
+            raise UpstreamFailed(f"{instance.base_url}: HTTP {response.status_code}")
+        return response
+
+    def _observe(
+        self,
+        document: dict[str, Any] | None,
+        model: str | None,
+        workload_class: str,
+        pool: Pool,
+        concurrency: int,
+    ) -> None:
+        assert self.sink is not None
+        try:
+            if document is not None:
+                measured = observation_from_response(document)
+            else:
+                measured = RequestObservation(model, None, None, None, None, None, None)
+            observation = replace(
+                measured,
+                model=measured.model or model,
+                workload_class=workload_class,
+                pool=pool.name,
+                arm=pool.arm,
+                concurrency=concurrency,
+                finished_at=self._wall_clock(),
+            )
+            self.sink(observation)
+        except Exception:
+            logger.exception("observation sink failed")
+
+
+async def _read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    parts = [body]
+    while message.get("more_body"):
+        message = await receive()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> bool:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return True
+
+
+def _forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in scope["headers"] if k not in _REQUEST_SKIP]
+
+
+async def _send_start(send: Send, response: httpx.Response, *, keep_length: bool) -> None:
+    headers = [
+        (k, v)
+        for k, v in response.headers.raw
+        if k.lower() not in _RESPONSE_SKIP and (keep_length or k.lower() != b"content-length")
+    ]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+
+
+async def _relay_stream(
+    send: Send, response: httpx.Response, strip_usage: bool
+) -> dict[str, Any] | None:
+    """Forward an SSE body event by event; returns the usage chunk when one came."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return await _relay_whole(send, response)
+    relay = SseRelay(strip_usage=strip_usage)
+    await _send_start(send, response, keep_length=False)
+    async for chunk in response.aiter_raw():
+        out = relay.feed(chunk)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+    await send({"type": "http.response.body", "body": relay.finish(), "more_body": False})
+    return relay.usage_chunk
+
+
+async def _relay_whole(send: Send, response: httpx.Response) -> dict[str, Any] | None:
+    """Forward a non-streaming body unchanged, then parse it (after the client has it)."""
+    await _send_start(send, response, keep_length=True)
+    parts: list[bytes] = []
+    async for chunk in response.aiter_raw():
+        parts.append(chunk)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if response.status_code != 200:
+        return None
+    with contextlib.suppress(ValueError):
+        document = json.loads(b"".join(parts))
+        if isinstance(document, dict):
+            return document
+    return None
+
+
+async def _send_unavailable(send: Send) -> None:
+    body = json.dumps(
+        {"error": {"message": "no upstream instance available", "type": "ServiceUnavailable"}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
