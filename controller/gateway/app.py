@@ -159,14 +159,17 @@ class Gateway:
         path: str = scope["path"]
         # Watch for the client going away while we wait on the upstream: uvicorn's send()
         # silently drops writes to a closed connection, so only receive() tells.
+        # After the response is complete uvicorn's receive() also reports a disconnect;
+        # that one must not cancel the task (it may be in uvicorn's own code by then).
+        exchange = _Exchange(send)
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task))
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, exchange))
         try:
             if scope["method"] == "POST" and path in INFERENCE_PATHS:
-                await self._inference(scope, body, send)
+                await self._inference(scope, body, exchange.send)
             else:
-                await self._passthrough(scope, body, send)
+                await self._passthrough(scope, body, exchange.send)
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled() or not watcher.result():
                 raise
@@ -345,10 +348,30 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> bool:
+class _Exchange:
+    """Wraps ``send`` to know when the response is complete."""
+
+    __slots__ = ("_send", "complete")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.complete = False
+
+    async def send(self, message: Message) -> None:
+        if not message.get("more_body") and message["type"] == "http.response.body":
+            self.complete = True
+        await self._send(message)
+
+
+async def _cancel_on_disconnect(
+    receive: Receive, task: asyncio.Task[Any], exchange: _Exchange
+) -> bool:
+    """Cancel ``task`` when the client goes away before its response is complete."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            if exchange.complete:
+                return False
             task.cancel()
             return True
 

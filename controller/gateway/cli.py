@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             server_header=False,
             date_header=False,
             log_level="warning",
+            # Clients keep connections to a gateway open between requests, as to vLLM.
+            timeout_keep_alive=75,
         )
     finally:
         if out is not None:
