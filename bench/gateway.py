@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -349,8 +348,8 @@ def upstream(args: argparse.Namespace) -> Iterator[tuple[int, bytes]]:
     env = VllmEnvironment.default().ensure()
     models = ModelSet.default().ensure(env)
     with VllmServer(env, models, parse_spec("ngram:4", models)) as server:
-        body = completion_body(code_prompt(0), args.max_tokens, stream=True)
-        yield server.port, json.dumps(body).encode()
+        request = completion_body(code_prompt(0), args.max_tokens, stream=True)
+        yield server.port, json.dumps(request).encode()
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:

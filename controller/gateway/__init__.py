@@ -5,7 +5,7 @@ requests go), :class:`RoutingTable` / :class:`StaticRoutingTable` (what the cont
 updates), :class:`Classifier`, :class:`ObservationSink`.
 """
 
-from controller.gateway.app import Gateway, default_client
+from controller.gateway.app import Gateway
 from controller.gateway.classify import Classifier, ConstantClassifier
 from controller.gateway.observe import ObservationSink, observation_from_response
 from controller.gateway.routing import (
@@ -20,6 +20,7 @@ from controller.gateway.routing import (
     StaticRoutingTable,
 )
 from controller.gateway.sse import SseRelay
+from controller.gateway.upstream import UpstreamPool
 
 __all__ = [
     "Classifier",
@@ -36,6 +37,6 @@ __all__ = [
     "RoutingTable",
     "SseRelay",
     "StaticRoutingTable",
-    "default_client",
+    "UpstreamPool",
     "observation_from_response",
 ]

@@ -22,8 +22,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import Any
 
-import httpx
-
 from collectors.observations import RequestObservation
 from controller.gateway.classify import (
     DEFAULT_CLASS,
@@ -43,6 +41,13 @@ from controller.gateway.routing import (
     StaticRoutingTable,
 )
 from controller.gateway.sse import SseRelay
+from controller.gateway.upstream import (
+    ResponseHead,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamPool,
+    encode_request,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -81,27 +86,12 @@ class UpstreamFailed(Exception):
     """An attempt failed before anything reached the client; another instance may serve."""
 
 
-def default_client(max_connections: int = 1024) -> httpx.AsyncClient:
-    """Pooled keep-alive client for the upstreams: no read timeout (a queued vLLM request
-    can wait long before its first token), short connect timeout (a dead port must fail
-    fast so the request moves to another instance)."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=2.0, read=None, write=30.0, pool=30.0),
-        limits=httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
-        ),
-        headers={},
-        follow_redirects=False,
-        trust_env=False,
-    )
-
-
 class Gateway:
     """The ASGI app. ``sink`` receives one observation per request that completed.
 
-    ``clock`` (monotonic seconds) drives ejection; ``wall_clock`` stamps
-    ``finished_at``. A client disconnect cancels the upstream request (its connection is
-    closed, which makes vLLM abort the request).
+    ``fleet`` holds the pools and their clock (monotonic, drives ejection);
+    ``wall_clock`` stamps ``finished_at``. A client disconnect cancels the upstream
+    request: its connection is closed, which makes vLLM abort the request.
     """
 
     def __init__(
@@ -112,7 +102,7 @@ class Gateway:
         classifier: Classifier | None = None,
         sink: ObservationSink | None = None,
         buckets: ConcurrencyBuckets | None = None,
-        client: httpx.AsyncClient | None = None,
+        upstreams: UpstreamPool | None = None,
         max_attempts: int = 3,
         wall_clock: Clock = time.time,
     ) -> None:
@@ -121,21 +111,12 @@ class Gateway:
         self.classifier: Classifier = classifier or ConstantClassifier()
         self.sink = sink
         self.buckets = buckets or ConcurrencyBuckets()
+        self.upstreams = upstreams or UpstreamPool()
         self.max_attempts = max_attempts
         self._wall_clock = wall_clock
-        self._client = client
-        self._owns_client = client is None
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = default_client()
-        return self._client
-
-    async def aclose(self) -> None:
-        if self._client is not None and self._owns_client:
-            await self._client.aclose()
-            self._client = None
+    def aclose(self) -> None:
+        self.upstreams.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -150,7 +131,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.aclose()
+                self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -190,14 +171,11 @@ class Gateway:
             self.fleet.acquire(pool, instance)
             ok = True
             try:
-                response = await self._open(scope, instance, headers, body)
+                connection, head = await self._open(scope, instance, headers, body)
                 try:
-                    await _send_start(send, response, keep_length=True)
-                    async for chunk in response.aiter_raw():
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await _relay_whole(send, connection, head, parse=False)
                 finally:
-                    await response.aclose()
+                    self.upstreams.release(instance.host, instance.port, connection)
                 return
             except UpstreamFailed:
                 ok = False
@@ -248,25 +226,25 @@ class Gateway:
                 concurrency = fleet.acquire(pool, instance)
                 ok = True
                 try:
-                    response = await self._open(scope, instance, headers, upstream_body)
+                    connection, head = await self._open(scope, instance, headers, upstream_body)
                     try:
                         if streaming:
-                            document = await _relay_stream(send, response, strip_usage)
+                            document = await _relay_stream(send, connection, head, strip_usage)
                         else:
-                            document = await _relay_whole(send, response)
+                            document = await _relay_whole(send, connection, head, parse=True)
                     finally:
-                        await response.aclose()
+                        self.upstreams.release(instance.host, instance.port, connection)
                 except UpstreamFailed:
                     ok = False
                     tried.append(instance)
                     continue
-                except httpx.TransportError:
+                except UpstreamError:
                     # Broken after the first byte reached the client: too late to retry.
                     ok = False
                     raise
                 finally:
                     fleet.release(pool, instance, ok=ok)
-                if self.sink is not None and response.status_code == 200:
+                if self.sink is not None and head.status == 200:
                     self._observe(document, model, workload_class, pool, concurrency)
                 return
             await _send_unavailable(send)
@@ -287,26 +265,43 @@ class Gateway:
 
     async def _open(
         self, scope: Scope, instance: Instance, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> httpx.Response:
-        """Send the request to ``instance`` and wait for its status line.
+    ) -> tuple[UpstreamConnection, ResponseHead]:
+        """Send the request to ``instance`` and wait for the response head.
 
         Raises :class:`UpstreamFailed` when the instance could not serve (connection
-        failure or a 502/503/504), which is always before the client saw a byte.
+        failure or a 502/503/504), which is always before the client saw a byte. A pooled
+        connection that fails before any response byte was most likely closed by the
+        upstream while idle: that is retried once on a fresh connection, not held against
+        the instance.
         """
-        url = instance.base_url + scope["path"]
+        target: str = (
+            scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        )
         query: bytes = scope.get("query_string", b"")
-        if query:
-            url += "?" + query.decode("latin-1")
-        client = self.client
-        request = client.build_request(scope["method"], url, headers=headers, content=body)
-        try:
-            response = await client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise UpstreamFailed(f"{instance.base_url}: {exc!r}") from exc
-        if response.status_code in _RETRY_STATUSES:
-            await response.aclose()
-            raise UpstreamFailed(f"{instance.base_url}: HTTP {response.status_code}")
-        return response
+        if query and "?" not in target:
+            target += "?" + query.decode("latin-1")
+        request = encode_request(scope["method"], target, instance.host_header, headers, body)
+        upstreams = self.upstreams
+        while True:
+            try:
+                connection, reused = await upstreams.connect(instance.host, instance.port)
+            except UpstreamError as exc:
+                raise UpstreamFailed(str(exc)) from exc
+            try:
+                connection.send(request)
+                head = await connection.head()
+            except UpstreamError as exc:
+                connection.close()
+                if reused and not connection.received_any:
+                    continue
+                raise UpstreamFailed(f"{instance.base_url}: {exc}") from exc
+            except BaseException:
+                connection.close()
+                raise
+            if head.status in _RETRY_STATUSES:
+                connection.close()
+                raise UpstreamFailed(f"{instance.base_url}: HTTP {head.status}")
+            return connection, head
 
     def _observe(
         self,
@@ -380,24 +375,31 @@ def _forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in scope["headers"] if k not in _REQUEST_SKIP]
 
 
-async def _send_start(send: Send, response: httpx.Response, *, keep_length: bool) -> None:
-    headers = [
-        (k, v)
-        for k, v in response.headers.raw
-        if k.lower() not in _RESPONSE_SKIP and (keep_length or k.lower() != b"content-length")
-    ]
-    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+async def _send_start(send: Send, head: ResponseHead, *, keep_length: bool) -> None:
+    headers = []
+    for name, value in head.headers:
+        name = name.lower()
+        if name not in _RESPONSE_SKIP and (keep_length or name != b"content-length"):
+            headers.append((name, value))
+    await send({"type": "http.response.start", "status": head.status, "headers": headers})
+
+
+def _content_type(head: ResponseHead) -> bytes:
+    for name, value in head.headers:
+        if name.lower() == b"content-type":
+            return value
+    return b""
 
 
 async def _relay_stream(
-    send: Send, response: httpx.Response, strip_usage: bool
+    send: Send, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
 ) -> dict[str, Any] | None:
     """Forward an SSE body event by event; returns the usage chunk when one came."""
-    if not response.headers.get("content-type", "").startswith("text/event-stream"):
-        return await _relay_whole(send, response)
+    if not _content_type(head).startswith(b"text/event-stream"):
+        return await _relay_whole(send, connection, head, parse=True)
     relay = SseRelay(strip_usage=strip_usage)
-    await _send_start(send, response, keep_length=False)
-    async for chunk in response.aiter_raw():
+    await _send_start(send, head, keep_length=False)
+    while (chunk := await connection.chunk()) is not None:
         out = relay.feed(chunk)
         if out:
             await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -405,15 +407,19 @@ async def _relay_stream(
     return relay.usage_chunk
 
 
-async def _relay_whole(send: Send, response: httpx.Response) -> dict[str, Any] | None:
-    """Forward a non-streaming body unchanged, then parse it (after the client has it)."""
-    await _send_start(send, response, keep_length=True)
+async def _relay_whole(
+    send: Send, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
+) -> dict[str, Any] | None:
+    """Forward a body unchanged; with ``parse``, then read it as JSON (after the client
+    has it, so parsing is off the latency path)."""
+    await _send_start(send, head, keep_length=True)
     parts: list[bytes] = []
-    async for chunk in response.aiter_raw():
-        parts.append(chunk)
+    while (chunk := await connection.chunk()) is not None:
+        if parse:
+            parts.append(chunk)
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    if response.status_code != 200:
+    if not parse or head.status != 200:
         return None
     with contextlib.suppress(ValueError):
         document = json.loads(b"".join(parts))

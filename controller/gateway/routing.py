@@ -16,6 +16,7 @@ import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import urlsplit
 
 Clock = Callable[[], float]
 """Seconds, monotonic; injected so ejection cool-downs are testable."""
@@ -110,10 +111,25 @@ class EjectionPolicy:
 class Instance:
     """One vLLM server: its base URL and the gateway's live counters for it."""
 
-    __slots__ = ("base_url", "consecutive_failures", "ejected_until", "ejections", "in_flight")
+    __slots__ = (
+        "base_url",
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "host",
+        "host_header",
+        "in_flight",
+        "port",
+    )
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
+        parts = urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname or parts.path:
+            raise ValueError(f"an instance is http://HOST[:PORT] without a path: {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.host_header = parts.netloc.encode("latin-1")
         self.in_flight = 0
         self.consecutive_failures = 0
         self.ejected_until = 0.0
