@@ -73,6 +73,8 @@ class ReplayUpstream:
         self.plain = plain
         self.with_usage = with_usage
         self.interval_s = interval_s
+        self.requests = 0
+        """Requests answered so far (tests check which upstream served)."""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -84,6 +86,7 @@ class ReplayUpstream:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 body = await reader.readexactly(length) if length else b""
+                self.requests += 1
                 if b'"stream":true' in body.replace(b" ", b""):
                     usage = b'"include_usage":true' in body.replace(b" ", b"")
                     await self._stream(writer, self.with_usage if usage else self.plain)

@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             log_level="warning",
             # Clients keep connections to a gateway open between requests, as to vLLM.
             timeout_keep_alive=75,
+            # The gateway is the proxy: it forwards X-Forwarded-* untouched.
+            proxy_headers=False,
         )
     finally:
         if out is not None:
