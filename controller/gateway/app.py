@@ -72,6 +72,8 @@ _REQUEST_SKIP = frozenset(
         b"trailer",
         b"upgrade",
         b"proxy-authorization",
+        # uvicorn already answered any 100-continue; the upstream gets the whole body.
+        b"expect",
     }
 )
 _RESPONSE_SKIP = frozenset(

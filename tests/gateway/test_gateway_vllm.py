@@ -157,9 +157,6 @@ def test_client_disconnect_aborts_the_vllm_request(
     body = completion_body(code_prompt(1), max_tokens, stream=True)
     running = "vllm:num_requests_running"
     with httpx.Client(timeout=120.0) as metrics:
-        aborted_before = metric(
-            metrics, server, "vllm:request_success_total", 'finished_reason="abort"'
-        )
         tokens_before = metric(metrics, server, "vllm:generation_tokens_total")
         with (
             httpx.Client(timeout=120.0) as client,
@@ -170,10 +167,10 @@ def test_client_disconnect_aborts_the_vllm_request(
             assert metric(metrics, server, running) == 1.0
         # Leaving the block closed the client's connection mid-stream.
         wait_until(lambda: metric(metrics, server, running) == 0.0, what="vLLM to stop the request")
-        aborted = metric(metrics, server, "vllm:request_success_total", 'finished_reason="abort"')
         tokens = metric(metrics, server, "vllm:generation_tokens_total") - tokens_before
-    assert aborted == aborted_before + 1
-    assert tokens < max_tokens
+    # Had the upstream request gone on, vLLM would have generated all max_tokens
+    # (ignore_eos) before the running gauge fell back to 0.
+    assert 0 < tokens < max_tokens
     assert gateway.observations == [], "an abandoned request is not an observation"
     assert gateway.gateway.fleet.pools["ngram"].in_flight == 0
 
