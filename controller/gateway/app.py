@@ -56,6 +56,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 logger = logging.getLogger(__name__)
 
+_DONE_EVENT = b"data: [DONE]\n\n"
 INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes. Host and
@@ -204,14 +205,7 @@ class Gateway:
         if streaming:
             options = body.get("stream_options")
             if options is None or (isinstance(options, dict) and not options.get("include_usage")):
-                # Ask for the usage chunk (per-request metrics ride on it) without turning
-                # on continuous usage, which would change every chunk the client sees.
-                body["stream_options"] = {
-                    **(options or {}),
-                    "include_usage": True,
-                    "continuous_usage_stats": False,
-                }
-                upstream_body = json.dumps(body).encode()
+                upstream_body = _with_usage(raw_body, body, options)
                 strip_usage = True
 
         fleet = self.fleet
@@ -333,6 +327,27 @@ class Gateway:
             logger.exception("observation sink failed")
 
 
+# Asks for the usage chunk (per-request metrics ride on it) without turning on
+# continuous usage, which would change every chunk the client sees.
+_USAGE_OPTIONS = {"include_usage": True, "continuous_usage_stats": False}
+_USAGE_FIELD = b',"stream_options":' + json.dumps(_USAGE_OPTIONS, separators=(",", ":")).encode()
+
+
+def _with_usage(raw_body: bytes, body: dict[str, Any], options: dict[str, Any] | None) -> bytes:
+    """The request body with ``stream_options.include_usage`` on.
+
+    When the client sent no ``stream_options`` at all (the common case) the field is
+    spliced in before the closing brace: the client's bytes stay as they were and a long
+    prompt is not encoded again.
+    """
+    if options is None and "stream_options" not in body:
+        end = raw_body.rstrip().rfind(b"}")
+        if end > 0:
+            return raw_body[:end] + _USAGE_FIELD + raw_body[end:]
+    body["stream_options"] = {**(options or {}), **_USAGE_OPTIONS}
+    return json.dumps(body).encode()
+
+
 async def _read_body(receive: Receive) -> bytes:
     message = await receive()
     body: bytes = message.get("body", b"")
@@ -401,11 +416,19 @@ async def _relay_stream(
         return await _relay_whole(send, connection, head, parse=True)
     relay = SseRelay(strip_usage=strip_usage)
     await _send_start(send, head, keep_length=False)
+    # vLLM ends its body right after [DONE]: sending [DONE] with the end of the response
+    # saves one write (and one wake-up of the client) per request.
+    last = b""
     while (chunk := await connection.chunk()) is not None:
         out = relay.feed(chunk)
         if out:
+            if last:
+                out, last = last + out, b""
+            if out.endswith(_DONE_EVENT):
+                last = out
+                continue
             await send({"type": "http.response.body", "body": out, "more_body": True})
-    await send({"type": "http.response.body", "body": relay.finish(), "more_body": False})
+    await send({"type": "http.response.body", "body": last + relay.finish(), "more_body": False})
     return relay.usage_chunk
 
 
