@@ -217,6 +217,9 @@ class LevelResult:
     added_p99_ms: float
     added_ttfb_p50_ms: float
     cpu_ms_per_request: float
+    upstream_cpu_ms_per_request: float | None
+    """Replay mode: CPU of the replay server per request, a yardstick for what merely
+    writing the same events costs a minimal asyncio server on this machine."""
     direct_p50_ms: float
     direct_p99_ms: float
     gateway_p50_ms: float
@@ -230,6 +233,7 @@ async def measure_level(
     direct: tuple[str, int],
     gateway: tuple[str, int],
     gateway_pid: int,
+    upstream_pid: int | None,
     path: str,
     body: bytes,
 ) -> LevelResult:
@@ -242,13 +246,17 @@ async def measure_level(
         straight: list[Timing] = []
         through: list[Timing] = []
         cpu_s = 0.0
+        upstream_cpu_s = 0.0
         per_phase = max(concurrency, requests // rounds)
         for index in range(rounds):
             # Alternate which path goes first so slow drift does not favour either.
             order = (0, 1) if index % 2 == 0 else (1, 0)
             for which in order:
                 if which == 0:
+                    before = process_cpu_s(upstream_pid) if upstream_pid else 0.0
                     straight += await run_phase(direct_clients, per_phase)
+                    if upstream_pid:
+                        upstream_cpu_s += process_cpu_s(upstream_pid) - before
                 else:
                     before = process_cpu_s(gateway_pid)
                     through += await run_phase(gateway_clients, per_phase)
@@ -271,6 +279,9 @@ async def measure_level(
             ms([t.ttfb_s for t in through], 0.5) - ms([t.ttfb_s for t in straight], 0.5), 3
         ),
         cpu_ms_per_request=round(cpu_s * 1000.0 / len(through), 3),
+        upstream_cpu_ms_per_request=(
+            round(upstream_cpu_s * 1000.0 / len(straight), 3) if upstream_pid else None
+        ),
         direct_p50_ms=round(ms(d_total, 0.5), 3),
         direct_p99_ms=round(ms(d_total, 0.99), 3),
         gateway_p50_ms=round(ms(g_total, 0.5), 3),
@@ -327,8 +338,8 @@ def gateway_command(port: int, upstream_url: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def upstream(args: argparse.Namespace) -> Iterator[tuple[int, bytes]]:
-    """The upstream's port and the request body to stream with."""
+def upstream(args: argparse.Namespace) -> Iterator[tuple[int, int | None, bytes]]:
+    """The upstream's port, its pid when it is one process, and the body to stream."""
     if args.upstream == "replay":
         port = free_port()
         command = [
@@ -341,8 +352,8 @@ def upstream(args: argparse.Namespace) -> Iterator[tuple[int, bytes]]:
             str(args.chunk_interval_ms),
         ]
         body = json.dumps({"model": "tiny-llama", "prompt": "x", "stream": True}).encode()
-        with child(command, f"http://127.0.0.1:{port}/v1/models"):
-            yield port, body
+        with child(command, f"http://127.0.0.1:{port}/v1/models") as pid:
+            yield port, pid, body
         return
     from testbed.environment import ModelSet, VllmEnvironment
     from testbed.server import VllmServer, parse_spec
@@ -352,12 +363,12 @@ def upstream(args: argparse.Namespace) -> Iterator[tuple[int, bytes]]:
     models = ModelSet.default().ensure(env)
     with VllmServer(env, models, parse_spec("ngram:4", models)) as server:
         request = completion_body(code_prompt(0), args.max_tokens, stream=True)
-        yield server.port, json.dumps(request).encode()
+        yield server.port, None, json.dumps(request).encode()
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     levels: list[LevelResult] = []
-    with upstream(args) as (upstream_port, body):
+    with upstream(args) as (upstream_port, upstream_pid, body):
         gateway_port = free_port()
         command = gateway_command(gateway_port, f"http://127.0.0.1:{upstream_port}")
         with child(command, f"http://127.0.0.1:{gateway_port}/v1/models") as pid:
@@ -371,6 +382,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         ("127.0.0.1", upstream_port),
                         ("127.0.0.1", gateway_port),
                         pid,
+                        upstream_pid,
                         "/v1/completions",
                         body,
                     )
@@ -389,7 +401,13 @@ def _row(r: LevelResult) -> str:
     return (
         f"concurrency {r.concurrency:>3}: added p50 {r.added_p50_ms:+.3f} ms, "
         f"p99 {r.added_p99_ms:+.3f} ms, ttfb p50 {r.added_ttfb_p50_ms:+.3f} ms, "
-        f"gateway CPU {r.cpu_ms_per_request:.3f} ms/request "
+        f"gateway CPU {r.cpu_ms_per_request:.3f} ms/request"
+        + (
+            f" (replay server {r.upstream_cpu_ms_per_request:.3f})"
+            if r.upstream_cpu_ms_per_request is not None
+            else ""
+        )
+        + " "
         f"(direct p50 {r.direct_p50_ms:.2f} ms, through {r.gateway_p50_ms:.2f} ms; "
         f"ratio {r.gateway_p50_ms / r.direct_p50_ms:.4f})"
     )
