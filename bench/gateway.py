@@ -2,13 +2,14 @@
 
 ``python -m bench.gateway [--upstream vllm|replay] [--json]``
 
-For each concurrency level (1, 16, 64 streams) the benchmark alternates phases that go
-straight to the upstream and phases that go through a gateway (``specpilot gateway`` in
-its own process) in front of the same upstream, and reports
+For each concurrency level (1, 16, 64 streams) every stream alternates between going
+straight to the upstream and going through a gateway (``specpilot gateway`` in its own
+process) in front of the same upstream, half the streams starting on each path, so both
+paths always see the same upstream load; it reports
 
 - ``added_p50_ms`` / ``added_p99_ms``: the quantile of end-to-end stream time through the
-  gateway minus the same quantile straight to the upstream (a difference of quantiles:
-  both come from the same run, interleaved, so drift cancels);
+  gateway minus the same quantile straight to the upstream (a difference of quantiles,
+  both from the same interleaved run);
 - ``added_ttfb_p50_ms``: the same for the time to the first body byte;
 - ``cpu_ms_per_request``: CPU time (user + system) of the gateway process over its phases,
   per request.
@@ -183,25 +184,46 @@ class StreamClient:
         return Timing(ttfb, time.perf_counter() - start)
 
 
-async def run_phase(clients: Sequence[StreamClient], requests: int) -> list[Timing]:
-    """``len(clients)`` concurrent streams until ``requests`` have finished."""
-    timings: list[Timing] = []
-    remaining = requests
+async def run_mixed(
+    pairs: Sequence[tuple[StreamClient, StreamClient]], requests: int
+) -> tuple[list[Timing], list[Timing]]:
+    """At least ``requests`` streams on each path (rounded up to a multiple of the
+    concurrency), ``len(pairs)`` at a time.
 
-    async def worker(client: StreamClient) -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            timings.append(await client.run())
+    Each stream alternates between going straight to the upstream and going through the
+    gateway, half of them starting on each path, so at every moment both paths share the
+    upstream's load and the machine's: noise from either hits both alike.
+    """
+    straight: list[Timing] = []
+    through: list[Timing] = []
+    per_stream = -(-requests // len(pairs))  # ceil: every stream does as many per path
 
-    await asyncio.gather(*(worker(c) for c in clients))
-    return timings
+    async def worker(index: int, direct: StreamClient, gateway: StreamClient) -> None:
+        use_gateway = index % 2 == 1
+        for _ in range(2 * per_stream):
+            if use_gateway:
+                through.append(await gateway.run())
+            else:
+                straight.append(await direct.run())
+            use_gateway = not use_gateway
+
+    await asyncio.gather(*(worker(i, d, g) for i, (d, g) in enumerate(pairs)))
+    return straight, through
 
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, from /proc (clock-tick resolution)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds a process spent runnable but waiting for a CPU (/proc/PID/schedstat).
+
+    On an oversubscribed machine this is where a proxy's added latency goes: each hop
+    through one more process waits for a core.
+    """
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -217,6 +239,8 @@ class LevelResult:
     added_p99_ms: float
     added_ttfb_p50_ms: float
     cpu_ms_per_request: float
+    runqueue_wait_ms_per_request: float
+    """Time the gateway process waited for a CPU while runnable, per request."""
     upstream_cpu_ms_per_request: float | None
     """Replay mode: CPU of the replay server per request, a yardstick for what merely
     writing the same events costs a minimal asyncio server on this machine."""
@@ -229,7 +253,6 @@ class LevelResult:
 async def measure_level(
     concurrency: int,
     requests: int,
-    rounds: int,
     direct: tuple[str, int],
     gateway: tuple[str, int],
     gateway_pid: int,
@@ -239,28 +262,17 @@ async def measure_level(
 ) -> LevelResult:
     direct_clients = [StreamClient(*direct, path, body) for _ in range(concurrency)]
     gateway_clients = [StreamClient(*gateway, path, body) for _ in range(concurrency)]
+    pairs = list(zip(direct_clients, gateway_clients, strict=True))
     try:
         # Warm-up opens every connection on both paths (and the gateway's upstream pool).
-        await run_phase(direct_clients, 2 * concurrency)
-        await run_phase(gateway_clients, 2 * concurrency)
-        straight: list[Timing] = []
-        through: list[Timing] = []
-        cpu_s = 0.0
-        upstream_cpu_s = 0.0
-        per_phase = max(concurrency, requests // rounds)
-        for index in range(rounds):
-            # Alternate which path goes first so slow drift does not favour either.
-            order = (0, 1) if index % 2 == 0 else (1, 0)
-            for which in order:
-                if which == 0:
-                    before = process_cpu_s(upstream_pid) if upstream_pid else 0.0
-                    straight += await run_phase(direct_clients, per_phase)
-                    if upstream_pid:
-                        upstream_cpu_s += process_cpu_s(upstream_pid) - before
-                else:
-                    before = process_cpu_s(gateway_pid)
-                    through += await run_phase(gateway_clients, per_phase)
-                    cpu_s += process_cpu_s(gateway_pid) - before
+        await run_mixed(pairs, concurrency)
+        cpu = process_cpu_s(gateway_pid)
+        waited = runqueue_wait_s(gateway_pid)
+        upstream_cpu = process_cpu_s(upstream_pid) if upstream_pid else 0.0
+        straight, through = await run_mixed(pairs, requests)
+        cpu_s = process_cpu_s(gateway_pid) - cpu
+        wait_s = runqueue_wait_s(gateway_pid) - waited
+        upstream_cpu_s = process_cpu_s(upstream_pid) - upstream_cpu if upstream_pid else 0.0
     finally:
         for client in (*direct_clients, *gateway_clients):
             await client.close()
@@ -279,8 +291,11 @@ async def measure_level(
             ms([t.ttfb_s for t in through], 0.5) - ms([t.ttfb_s for t in straight], 0.5), 3
         ),
         cpu_ms_per_request=round(cpu_s * 1000.0 / len(through), 3),
+        runqueue_wait_ms_per_request=round(wait_s * 1000.0 / len(through), 3),
         upstream_cpu_ms_per_request=(
-            round(upstream_cpu_s * 1000.0 / len(straight), 3) if upstream_pid else None
+            round(upstream_cpu_s * 1000.0 / (len(straight) + len(through)), 3)
+            if upstream_pid
+            else None
         ),
         direct_p50_ms=round(ms(d_total, 0.5), 3),
         direct_p99_ms=round(ms(d_total, 0.99), 3),
@@ -378,7 +393,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     measure_level(
                         concurrency,
                         requests,
-                        args.rounds,
                         ("127.0.0.1", upstream_port),
                         ("127.0.0.1", gateway_port),
                         pid,
@@ -392,6 +406,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     print(_row(result), flush=True)
     return {
         "upstream": args.upstream,
+        "chunk_interval_ms": args.chunk_interval_ms if args.upstream == "replay" else None,
         "goal": {"added_p50_ms": GOAL_P50_MS, "added_p99_ms": GOAL_P99_MS},
         "levels": [asdict(level) for level in levels],
     }
@@ -402,6 +417,7 @@ def _row(r: LevelResult) -> str:
         f"concurrency {r.concurrency:>3}: added p50 {r.added_p50_ms:+.3f} ms, "
         f"p99 {r.added_p99_ms:+.3f} ms, ttfb p50 {r.added_ttfb_p50_ms:+.3f} ms, "
         f"gateway CPU {r.cpu_ms_per_request:.3f} ms/request"
+        f" (waited for a CPU {r.runqueue_wait_ms_per_request:.3f})"
         + (
             f" (replay server {r.upstream_cpu_ms_per_request:.3f})"
             if r.upstream_cpu_ms_per_request is not None
@@ -420,7 +436,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests", type=int, default=None, help="per path and level (default by upstream)"
     )
-    parser.add_argument("--rounds", type=int, default=4, help="direct/gateway alternations")
     parser.add_argument("--max-tokens", type=int, default=16, help="vllm upstream only")
     parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
     parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
