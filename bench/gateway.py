@@ -66,7 +66,7 @@ class ReplayUpstream:
 
     ``POST /v1/completions`` and ``/v1/chat/completions`` with ``"stream": true`` replay
     ``with_usage`` when the body asks for ``include_usage`` and ``plain`` otherwise, one
-    chunked-encoding chunk per event, ``interval_s`` apart. Anything else gets a small
+    chunked-encoding chunk per event, token chunks ``interval_s`` apart. Anything else gets a small
     JSON body. Keep-alive; one request at a time per connection.
     """
 
@@ -109,7 +109,13 @@ class ReplayUpstream:
             b"transfer-encoding: chunked\r\n\r\n"
         )
         for event in events:
-            if self.interval_s:
+            # vLLM sends the usage chunk and [DONE] right after the last token chunk, in
+            # the same engine step: only token chunks are paced.
+            if (
+                self.interval_s
+                and not event.startswith(b"data: [DONE]")
+                and b'"choices":[]' not in event
+            ):
                 await asyncio.sleep(self.interval_s)
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
