@@ -11,7 +11,12 @@ import argparse
 import importlib
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("bench.policy", "bench.classifier", "bench.scale")
+BENCHMARKS: tuple[str, ...] = (
+    "bench.policy",
+    "bench.gateway",
+    "bench.classifier",
+    "bench.scale",
+)
 
 
 def register(subparsers: Any) -> None:

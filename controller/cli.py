@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # Modules that contribute sub-commands, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.commands",
+    "controller.gateway.cli",
     "controller.demo",
     "collectors.cli",
     "policies.classifier_cli",

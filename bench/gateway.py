@@ -1,0 +1,486 @@
+"""Gateway overhead: the same streams straight to the upstream and through the gateway.
+
+``python -m bench.gateway [--upstream vllm|replay] [--json]``
+
+For each concurrency level (1, 16, 64 streams) every stream alternates between going
+straight to the upstream and going through a gateway (``specpilot gateway`` in its own
+process) in front of the same upstream, half the streams starting on each path, so both
+paths always see the same upstream load; it reports
+
+- ``added_p50_ms`` / ``added_p99_ms``: the quantile of end-to-end stream time through the
+  gateway minus the same quantile straight to the upstream (a difference of quantiles,
+  both from the same interleaved run);
+- ``added_ttfb_p50_ms``: the same for the time to the first body byte;
+- ``cpu_ms_per_request``: CPU time (user + system) of the gateway process over its phases,
+  per request.
+
+Upstreams:
+
+- ``vllm`` (default, what the issue asks for): a real vLLM (n-gram γ=4) from the testbed.
+  A tiny-model request takes hundreds of ms on this CPU and the gateway shares the two
+  cores with it, so the noise there is far larger than a sub-millisecond overhead;
+- ``replay``: a minimal local SSE server that replays a recorded real vLLM 0.32 stream
+  (``tests/fixtures/vllm-0.32``) with a fixed interval between events, so the gateway's
+  own cost is what differs between the two paths.
+
+The load generator is a raw asyncio HTTP/1.1 client with one keep-alive connection per
+stream, so the client itself costs little CPU on a machine the three processes share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32"
+RESULTS = Path(__file__).resolve().parent / "results"
+LEVELS = (1, 16, 64)
+GOAL_P50_MS = 0.5
+GOAL_P99_MS = 3.0
+
+
+# --- replay upstream ----------------------------------------------------------------
+
+
+def sse_events(path: Path) -> list[bytes]:
+    """The events of a recorded stream, each with its ``\\n\\n`` terminator."""
+    text = path.read_bytes()
+    return [event + b"\n\n" for event in text.split(b"\n\n") if event.strip()]
+
+
+class ReplayUpstream:
+    """Speaks just enough HTTP/1.1 to stand in for vLLM's streaming endpoints.
+
+    ``POST /v1/completions`` and ``/v1/chat/completions`` with ``"stream": true`` replay
+    ``with_usage`` when the body asks for ``include_usage`` and ``plain`` otherwise, one
+    chunked-encoding chunk per event, token chunks ``interval_s`` apart. Anything else gets a small
+    JSON body. Keep-alive; one request at a time per connection.
+    """
+
+    def __init__(self, plain: list[bytes], with_usage: list[bytes], interval_s: float) -> None:
+        self.plain = plain
+        self.with_usage = with_usage
+        self.interval_s = interval_s
+        self.requests = 0
+        """Requests answered so far (tests check which upstream served)."""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length) if length else b""
+                self.requests += 1
+                if b'"stream":true' in body.replace(b" ", b""):
+                    usage = b'"include_usage":true' in body.replace(b" ", b"")
+                    await self._stream(writer, self.with_usage if usage else self.plain)
+                else:
+                    payload = b'{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+                    )
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _stream(self, writer: asyncio.StreamWriter, events: list[bytes]) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for event in events:
+            # vLLM sends the usage chunk and [DONE] right after the last token chunk, in
+            # the same engine step: only token chunks are paced.
+            if (
+                self.interval_s
+                and not event.startswith(b"data: [DONE]")
+                and b'"choices":[]' not in event
+            ):
+                await asyncio.sleep(self.interval_s)
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def serve_replay(port: int, interval_s: float, fixture: str) -> None:
+    upstream = ReplayUpstream(
+        sse_events(FIXTURES / f"{fixture}-stream.sse"),
+        sse_events(FIXTURES / f"{fixture}-stream-usage.sse"),
+        interval_s,
+    )
+    server = await asyncio.start_server(upstream.handle, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+# --- load generator -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    ttfb_s: float
+    total_s: float
+
+
+class StreamClient:
+    """One keep-alive HTTP/1.1 connection that posts a body and reads a chunked reply."""
+
+    def __init__(self, host: str, port: int, path: str, body: bytes) -> None:
+        self.host, self.port = host, port
+        self.request = (
+            f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            "content-type: application/json\r\naccept: text/event-stream\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
+
+    async def run(self) -> Timing:
+        try:
+            return await self._run()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            # The server closed an idle keep-alive connection: one retry on a fresh one.
+            await self.close()
+            return await self._run()
+
+    async def _run(self) -> Timing:
+        if self._conn is None:
+            self._conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._conn
+        start = time.perf_counter()
+        writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"upstream answered {head[:60]!r}")
+        if b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError("expected a chunked streaming response")
+        ttfb = 0.0
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+            if not ttfb:
+                ttfb = time.perf_counter() - start
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+        return Timing(ttfb, time.perf_counter() - start)
+
+
+async def run_mixed(
+    pairs: Sequence[tuple[StreamClient, StreamClient]], requests: int
+) -> tuple[list[Timing], list[Timing]]:
+    """At least ``requests`` streams on each path (rounded up to a multiple of the
+    concurrency), ``len(pairs)`` at a time.
+
+    Each stream alternates between going straight to the upstream and going through the
+    gateway, half of them starting on each path, so at every moment both paths share the
+    upstream's load and the machine's: noise from either hits both alike.
+    """
+    straight: list[Timing] = []
+    through: list[Timing] = []
+    per_stream = -(-requests // len(pairs))  # ceil: every stream does as many per path
+
+    async def worker(index: int, direct: StreamClient, gateway: StreamClient) -> None:
+        use_gateway = index % 2 == 1
+        for _ in range(2 * per_stream):
+            if use_gateway:
+                through.append(await gateway.run())
+            else:
+                straight.append(await direct.run())
+            use_gateway = not use_gateway
+
+    await asyncio.gather(*(worker(i, d, g) for i, (d, g) in enumerate(pairs)))
+    return straight, through
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc (clock-tick resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds a process spent runnable but waiting for a CPU (/proc/PID/schedstat).
+
+    On an oversubscribed machine this is where a proxy's added latency goes: each hop
+    through one more process waits for a core.
+    """
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass(frozen=True, slots=True)
+class LevelResult:
+    concurrency: int
+    requests: int
+    added_p50_ms: float
+    added_p99_ms: float
+    added_ttfb_p50_ms: float
+    cpu_ms_per_request: float
+    runqueue_wait_ms_per_request: float
+    """Time the gateway process waited for a CPU while runnable, per request."""
+    upstream_cpu_ms_per_request: float | None
+    """Replay mode: CPU of the replay server per request, a yardstick for what merely
+    writing the same events costs a minimal asyncio server on this machine."""
+    direct_p50_ms: float
+    direct_p99_ms: float
+    gateway_p50_ms: float
+    gateway_p99_ms: float
+
+
+async def measure_level(
+    concurrency: int,
+    requests: int,
+    direct: tuple[str, int],
+    gateway: tuple[str, int],
+    gateway_pid: int,
+    upstream_pid: int | None,
+    path: str,
+    body: bytes,
+) -> LevelResult:
+    direct_clients = [StreamClient(*direct, path, body) for _ in range(concurrency)]
+    gateway_clients = [StreamClient(*gateway, path, body) for _ in range(concurrency)]
+    pairs = list(zip(direct_clients, gateway_clients, strict=True))
+    try:
+        # Warm-up opens every connection on both paths (and the gateway's upstream pool).
+        await run_mixed(pairs, concurrency)
+        cpu = process_cpu_s(gateway_pid)
+        waited = runqueue_wait_s(gateway_pid)
+        upstream_cpu = process_cpu_s(upstream_pid) if upstream_pid else 0.0
+        straight, through = await run_mixed(pairs, requests)
+        cpu_s = process_cpu_s(gateway_pid) - cpu
+        wait_s = runqueue_wait_s(gateway_pid) - waited
+        upstream_cpu_s = process_cpu_s(upstream_pid) - upstream_cpu if upstream_pid else 0.0
+    finally:
+        for client in (*direct_clients, *gateway_clients):
+            await client.close()
+
+    def ms(values: list[float], q: float) -> float:
+        return quantile(values, q) * 1000.0
+
+    d_total = [t.total_s for t in straight]
+    g_total = [t.total_s for t in through]
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(through),
+        added_p50_ms=round(ms(g_total, 0.5) - ms(d_total, 0.5), 3),
+        added_p99_ms=round(ms(g_total, 0.99) - ms(d_total, 0.99), 3),
+        added_ttfb_p50_ms=round(
+            ms([t.ttfb_s for t in through], 0.5) - ms([t.ttfb_s for t in straight], 0.5), 3
+        ),
+        cpu_ms_per_request=round(cpu_s * 1000.0 / len(through), 3),
+        runqueue_wait_ms_per_request=round(wait_s * 1000.0 / len(through), 3),
+        upstream_cpu_ms_per_request=(
+            round(upstream_cpu_s * 1000.0 / (len(straight) + len(through)), 3)
+            if upstream_pid
+            else None
+        ),
+        direct_p50_ms=round(ms(d_total, 0.5), 3),
+        direct_p99_ms=round(ms(d_total, 0.99), 3),
+        gateway_p50_ms=round(ms(g_total, 0.5), 3),
+        gateway_p99_ms=round(ms(g_total, 0.99), 3),
+    )
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    from testbed.server import free_port as testbed_free_port
+
+    return testbed_free_port()
+
+
+@contextlib.contextmanager
+def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterator[int]:
+    """A child process in its own group, yielded (its pid) once ``ready_url`` answers 200."""
+    process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[:4]} exited with {process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command[:4]} not ready after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        yield process.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def gateway_command(port: int, upstream_url: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "controller.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--pool",
+        f"bench={upstream_url}",
+    ]
+
+
+@contextlib.contextmanager
+def upstream(args: argparse.Namespace) -> Iterator[tuple[int, int | None, bytes]]:
+    """The upstream's port, its pid when it is one process, and the body to stream."""
+    if args.upstream == "replay":
+        port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--serve-replay",
+            str(port),
+            "--chunk-interval-ms",
+            str(args.chunk_interval_ms),
+        ]
+        body = json.dumps({"model": "tiny-llama", "prompt": "x", "stream": True}).encode()
+        with child(command, f"http://127.0.0.1:{port}/v1/models") as pid:
+            yield port, pid, body
+        return
+    from testbed.environment import ModelSet, VllmEnvironment
+    from testbed.server import VllmServer, parse_spec
+    from testbed.traffic import code_prompt, completion_body
+
+    env = VllmEnvironment.default().ensure()
+    models = ModelSet.default().ensure(env)
+    with VllmServer(env, models, parse_spec("ngram:4", models)) as server:
+        request = completion_body(code_prompt(0), args.max_tokens, stream=True)
+        yield server.port, None, json.dumps(request).encode()
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    levels: list[LevelResult] = []
+    with upstream(args) as (upstream_port, upstream_pid, body):
+        gateway_port = free_port()
+        command = gateway_command(gateway_port, f"http://127.0.0.1:{upstream_port}")
+        with child(command, f"http://127.0.0.1:{gateway_port}/v1/models") as pid:
+            for concurrency in args.levels:
+                requests = max(args.requests, 8 * concurrency)
+                result = asyncio.run(
+                    measure_level(
+                        concurrency,
+                        requests,
+                        ("127.0.0.1", upstream_port),
+                        ("127.0.0.1", gateway_port),
+                        pid,
+                        upstream_pid,
+                        "/v1/completions",
+                        body,
+                    )
+                )
+                levels.append(result)
+                if not args.json:
+                    print(_row(result), flush=True)
+    return {
+        "upstream": args.upstream,
+        "chunk_interval_ms": args.chunk_interval_ms if args.upstream == "replay" else None,
+        "goal": {"added_p50_ms": GOAL_P50_MS, "added_p99_ms": GOAL_P99_MS},
+        "levels": [asdict(level) for level in levels],
+    }
+
+
+def _row(r: LevelResult) -> str:
+    return (
+        f"concurrency {r.concurrency:>3}: added p50 {r.added_p50_ms:+.3f} ms, "
+        f"p99 {r.added_p99_ms:+.3f} ms, ttfb p50 {r.added_ttfb_p50_ms:+.3f} ms, "
+        f"gateway CPU {r.cpu_ms_per_request:.3f} ms/request"
+        f" (waited for a CPU {r.runqueue_wait_ms_per_request:.3f})"
+        + (
+            f" (replay server {r.upstream_cpu_ms_per_request:.3f})"
+            if r.upstream_cpu_ms_per_request is not None
+            else ""
+        )
+        + " "
+        f"(direct p50 {r.direct_p50_ms:.2f} ms, through {r.gateway_p50_ms:.2f} ms; "
+        f"ratio {r.gateway_p50_ms / r.direct_p50_ms:.4f})"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", choices=("vllm", "replay"), default="vllm")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    parser.add_argument(
+        "--requests", type=int, default=None, help="per path and level (default by upstream)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=16, help="vllm upstream only")
+    parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
+    parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--fixture", default="completion-ngram", help=argparse.SUPPRESS)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``gateway`` to the ``bench`` sub-command group."""
+    parser = subparsers.add_parser("gateway", help="gateway overhead vs. going straight to vLLM")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve_replay:
+        asyncio.run(serve_replay(args.serve_replay, args.chunk_interval_ms / 1000.0, args.fixture))
+        return 0
+    if args.requests is None:
+        args.requests = 600 if args.upstream == "replay" else 64
+    result = run_benchmark(args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"gateway-{args.upstream}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        worst = max(result["levels"], key=lambda level: level["added_p99_ms"])
+        print(
+            f"worst p99 added {worst['added_p99_ms']:+.3f} ms at concurrency "
+            f"{worst['concurrency']} (goal ≤ {GOAL_P99_MS} ms p99, ≤ {GOAL_P50_MS} ms p50)"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,42 @@
+"""The gateway: an OpenAI-compatible reverse proxy that routes, relays and observes.
+
+Public API: :class:`Gateway` (the ASGI app), :class:`Fleet` / :class:`Pool` (where
+requests go), :class:`RoutingTable` / :class:`StaticRoutingTable` (what the control loop
+updates), :class:`Classifier`, :class:`ObservationSink`.
+"""
+
+from controller.gateway.app import Gateway
+from controller.gateway.classify import Classifier, ConstantClassifier
+from controller.gateway.observe import ObservationSink, observation_from_response
+from controller.gateway.routing import (
+    ConcurrencyBuckets,
+    EjectionPolicy,
+    Fleet,
+    Instance,
+    NoInstanceAvailable,
+    Pool,
+    RouteKey,
+    RoutingTable,
+    StaticRoutingTable,
+)
+from controller.gateway.sse import SseRelay
+from controller.gateway.upstream import UpstreamPool
+
+__all__ = [
+    "Classifier",
+    "ConcurrencyBuckets",
+    "ConstantClassifier",
+    "EjectionPolicy",
+    "Fleet",
+    "Gateway",
+    "Instance",
+    "NoInstanceAvailable",
+    "ObservationSink",
+    "Pool",
+    "RouteKey",
+    "RoutingTable",
+    "SseRelay",
+    "StaticRoutingTable",
+    "UpstreamPool",
+    "observation_from_response",
+]

@@ -1,0 +1,470 @@
+"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools, as raw ASGI.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` are classified, routed by the
+routing table, balanced least-in-flight inside the pool, retried on another instance
+while nothing has reached the client yet, relayed (SSE event by event) and observed.
+Every other path (``/v1/models`` included) is passed through to an instance of the
+default pool, since every pool serves the same models.
+
+Raw ASGI rather than Starlette/FastAPI: the proxy touches every streamed chunk, and a
+framework's request/response objects (Starlette's StreamingResponse adds a task group and
+a disconnect listener per response) would add work per request and per chunk without
+buying anything here. Profiled with py-spy under ``bench/gateway.py`` (one stream, replay
+upstream), about four fifths of the samples outside the event loop's wait were uvicorn's
+socket writes to the client and under a fifth this package's own Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import replace
+from typing import Any
+
+from collectors.observations import RequestObservation
+from controller.gateway.classify import (
+    DEFAULT_CLASS,
+    WORKLOAD_CLASS_HEADER,
+    Classifier,
+    ConstantClassifier,
+)
+from controller.gateway.observe import ObservationSink, observation_from_response
+from controller.gateway.routing import (
+    Clock,
+    ConcurrencyBuckets,
+    Fleet,
+    Instance,
+    NoInstanceAvailable,
+    Pool,
+    RoutingTable,
+    StaticRoutingTable,
+)
+from controller.gateway.sse import SseRelay
+from controller.gateway.upstream import (
+    ResponseHead,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamPool,
+    encode_request,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes. Host and
+# content-length are set by the client library for the upstream request.
+_REQUEST_SKIP = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        # uvicorn already answered any 100-continue; the upstream gets the whole body.
+        b"expect",
+    }
+)
+_RESPONSE_SKIP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
+)
+# Statuses that say "this instance cannot serve now", not "this request is wrong":
+# worth another instance while the client has seen nothing.
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class UpstreamFailed(Exception):
+    """An attempt failed before anything reached the client; another instance may serve."""
+
+
+class Gateway:
+    """The ASGI app. ``sink`` receives one observation per request that completed.
+
+    ``fleet`` holds the pools and their clock (monotonic, drives ejection);
+    ``wall_clock`` stamps ``finished_at``. A client disconnect cancels the upstream
+    request: its connection is closed, which makes vLLM abort the request.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        routing: RoutingTable | None = None,
+        classifier: Classifier | None = None,
+        sink: ObservationSink | None = None,
+        buckets: ConcurrencyBuckets | None = None,
+        upstreams: UpstreamPool | None = None,
+        max_attempts: int = 3,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.routing: RoutingTable = routing or StaticRoutingTable(fleet.default_pool)
+        self.classifier: Classifier = classifier or ConstantClassifier()
+        self.sink = sink
+        self.buckets = buckets or ConcurrencyBuckets()
+        self.upstreams = upstreams or UpstreamPool()
+        self.max_attempts = max_attempts
+        self._wall_clock = wall_clock
+
+    def aclose(self) -> None:
+        self.upstreams.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        path: str = scope["path"]
+        # Watch for the client going away while we wait on the upstream: uvicorn's send()
+        # silently drops writes to a closed connection, so only receive() tells.
+        # After the response is complete uvicorn's receive() also reports a disconnect;
+        # that one must not cancel the task (it may be in uvicorn's own code by then).
+        exchange = _Exchange(send)
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, exchange))
+        try:
+            if scope["method"] == "POST" and path in INFERENCE_PATHS:
+                await self._inference(scope, body, exchange.send)
+            else:
+                await self._passthrough(scope, body, exchange.send)
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled() or not watcher.result():
+                raise
+            # The client left: the upstream response was closed on the way out.
+            task.uncancel()
+        finally:
+            watcher.cancel()
+
+    async def _passthrough(self, scope: Scope, body: bytes, send: Send) -> None:
+        headers = _forward_headers(scope)
+        target = self.fleet.default_pool
+        tried: list[Instance] = []
+        for _ in range(self.max_attempts):
+            try:
+                pool, instance = self.fleet.pick(target, tried)
+            except NoInstanceAvailable:
+                break
+            self.fleet.acquire(pool, instance)
+            ok = True
+            try:
+                connection, head = await self._open(scope, instance, headers, body)
+                try:
+                    await _relay_whole(send, connection, head, parse=False)
+                finally:
+                    self.upstreams.release(instance.host, instance.port, connection)
+                return
+            except UpstreamFailed:
+                ok = False
+                tried.append(instance)
+            finally:
+                self.fleet.release(pool, instance, ok=ok)
+        await _send_unavailable(send)
+
+    async def _inference(self, scope: Scope, raw_body: bytes, send: Send) -> None:
+        try:
+            body = json.loads(raw_body)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            # Not ours to judge: the upstream answers malformed requests itself.
+            await self._passthrough(scope, raw_body, send)
+            return
+        model = body.get("model")
+        model = model if isinstance(model, str) else None
+        workload_class = self._classify(scope, body)
+        streaming = body.get("stream") is True
+        strip_usage = False
+        upstream_body = raw_body
+        if streaming:
+            options = body.get("stream_options")
+            if options is None or (isinstance(options, dict) and not options.get("include_usage")):
+                upstream_body = _with_usage(raw_body, body, options)
+                strip_usage = True
+
+        fleet = self.fleet
+        bucket = self.buckets.label(fleet.begin(model))
+        try:
+            pool_name = self.routing.pool_for(model, workload_class, bucket)
+            headers = _forward_headers(scope)
+            tried: list[Instance] = []
+            for _ in range(self.max_attempts):
+                try:
+                    pool, instance = fleet.pick(pool_name, tried)
+                except NoInstanceAvailable:
+                    break
+                concurrency = fleet.acquire(pool, instance)
+                ok = True
+                try:
+                    connection, head = await self._open(scope, instance, headers, upstream_body)
+                    try:
+                        if streaming:
+                            document = await _relay_stream(send, connection, head, strip_usage)
+                        else:
+                            document = await _relay_whole(send, connection, head, parse=True)
+                    finally:
+                        self.upstreams.release(instance.host, instance.port, connection)
+                except UpstreamFailed:
+                    ok = False
+                    tried.append(instance)
+                    continue
+                except UpstreamError:
+                    # Broken after the first byte reached the client: too late to retry.
+                    ok = False
+                    raise
+                finally:
+                    fleet.release(pool, instance, ok=ok)
+                if self.sink is not None and head.status == 200:
+                    self._observe(document, model, workload_class, pool, concurrency)
+                return
+            await _send_unavailable(send)
+        finally:
+            fleet.end(model)
+
+    def _classify(self, scope: Scope, body: dict[str, Any]) -> str:
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        for name, value in raw_headers:
+            if name == WORKLOAD_CLASS_HEADER and value.strip():
+                return value.decode("latin-1").strip()
+        try:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+            return self.classifier(headers, body)
+        except Exception:
+            logger.exception("classifier failed; using the default class")
+            return DEFAULT_CLASS
+
+    async def _open(
+        self, scope: Scope, instance: Instance, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[UpstreamConnection, ResponseHead]:
+        """Send the request to ``instance`` and wait for the response head.
+
+        Raises :class:`UpstreamFailed` when the instance could not serve (connection
+        failure or a 502/503/504), which is always before the client saw a byte. A pooled
+        connection that fails before any response byte was most likely closed by the
+        upstream while idle: that is retried once on a fresh connection, not held against
+        the instance.
+        """
+        target: str = (
+            scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        )
+        query: bytes = scope.get("query_string", b"")
+        if query and "?" not in target:
+            target += "?" + query.decode("latin-1")
+        request = encode_request(scope["method"], target, instance.host_header, headers, body)
+        upstreams = self.upstreams
+        while True:
+            try:
+                connection, reused = await upstreams.connect(instance.host, instance.port)
+            except UpstreamError as exc:
+                raise UpstreamFailed(str(exc)) from exc
+            try:
+                connection.send(request)
+                head = await connection.head()
+            except UpstreamError as exc:
+                connection.close()
+                if reused and not connection.received_any:
+                    continue
+                raise UpstreamFailed(f"{instance.base_url}: {exc}") from exc
+            except BaseException:
+                connection.close()
+                raise
+            if head.status in _RETRY_STATUSES:
+                connection.close()
+                raise UpstreamFailed(f"{instance.base_url}: HTTP {head.status}")
+            return connection, head
+
+    def _observe(
+        self,
+        document: dict[str, Any] | None,
+        model: str | None,
+        workload_class: str,
+        pool: Pool,
+        concurrency: int,
+    ) -> None:
+        assert self.sink is not None
+        try:
+            if document is not None:
+                measured = observation_from_response(document)
+            else:
+                measured = RequestObservation(model, None, None, None, None, None, None)
+            observation = replace(
+                measured,
+                model=measured.model or model,
+                workload_class=workload_class,
+                pool=pool.name,
+                arm=pool.arm,
+                concurrency=concurrency,
+                finished_at=self._wall_clock(),
+            )
+            self.sink(observation)
+        except Exception:
+            logger.exception("observation sink failed")
+
+
+# Asks for the usage chunk (per-request metrics ride on it) without turning on
+# continuous usage, which would change every chunk the client sees.
+_USAGE_OPTIONS = {"include_usage": True, "continuous_usage_stats": False}
+_USAGE_FIELD = b',"stream_options":' + json.dumps(_USAGE_OPTIONS, separators=(",", ":")).encode()
+
+
+def _with_usage(raw_body: bytes, body: dict[str, Any], options: dict[str, Any] | None) -> bytes:
+    """The request body with ``stream_options.include_usage`` on.
+
+    When the client sent no ``stream_options`` at all (the common case) the field is
+    spliced in before the closing brace: the client's bytes stay as they were and a long
+    prompt is not encoded again.
+    """
+    if options is None and "stream_options" not in body:
+        end = raw_body.rstrip().rfind(b"}")
+        if end > 0:
+            return raw_body[:end] + _USAGE_FIELD + raw_body[end:]
+    body["stream_options"] = {**(options or {}), **_USAGE_OPTIONS}
+    return json.dumps(body).encode()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    parts = [body]
+    while message.get("more_body"):
+        message = await receive()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+class _Exchange:
+    """Wraps ``send`` to know when the response is complete."""
+
+    __slots__ = ("_send", "complete")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.complete = False
+
+    async def send(self, message: Message) -> None:
+        if not message.get("more_body") and message["type"] == "http.response.body":
+            self.complete = True
+        await self._send(message)
+
+
+async def _cancel_on_disconnect(
+    receive: Receive, task: asyncio.Task[Any], exchange: _Exchange
+) -> bool:
+    """Cancel ``task`` when the client goes away before its response is complete."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if exchange.complete:
+                return False
+            task.cancel()
+            return True
+
+
+def _forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in scope["headers"] if k not in _REQUEST_SKIP]
+
+
+async def _send_start(send: Send, head: ResponseHead, *, keep_length: bool) -> None:
+    headers = []
+    for name, value in head.headers:
+        name = name.lower()
+        if name not in _RESPONSE_SKIP and (keep_length or name != b"content-length"):
+            headers.append((name, value))
+    await send({"type": "http.response.start", "status": head.status, "headers": headers})
+
+
+def _content_type(head: ResponseHead) -> bytes:
+    for name, value in head.headers:
+        if name.lower() == b"content-type":
+            return value
+    return b""
+
+
+async def _relay_stream(
+    send: Send, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
+) -> dict[str, Any] | None:
+    """Forward an SSE body event by event; returns the usage chunk when one came."""
+    if not _content_type(head).startswith(b"text/event-stream"):
+        return await _relay_whole(send, connection, head, parse=True)
+    relay = SseRelay(strip_usage=strip_usage)
+    await _send_start(send, head, keep_length=False)
+    # vLLM ends its body right after [DONE]: sending [DONE] with the end of the response
+    # saves one write (and one wake-up of the client) per request.
+    last = b""
+    while (chunk := await connection.chunk()) is not None:
+        out = relay.feed(chunk)
+        if out:
+            if last:
+                out, last = last + out, b""
+            if out.endswith(_DONE_EVENT):
+                last = out
+                continue
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+    await send({"type": "http.response.body", "body": last + relay.finish(), "more_body": False})
+    return relay.usage_chunk
+
+
+async def _relay_whole(
+    send: Send, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
+) -> dict[str, Any] | None:
+    """Forward a body unchanged; with ``parse``, then read it as JSON (after the client
+    has it, so parsing is off the latency path)."""
+    await _send_start(send, head, keep_length=True)
+    parts: list[bytes] = []
+    while (chunk := await connection.chunk()) is not None:
+        if parse:
+            parts.append(chunk)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if not parse or head.status != 200:
+        return None
+    with contextlib.suppress(ValueError):
+        document = json.loads(b"".join(parts))
+        if isinstance(document, dict):
+            return document
+    return None
+
+
+async def _send_unavailable(send: Send) -> None:
+    body = json.dumps(
+        {"error": {"message": "no upstream instance available", "type": "ServiceUnavailable"}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

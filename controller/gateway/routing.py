@@ -1,0 +1,257 @@
+"""Where a request goes: pools, instances, the routing table, balancing and ejection.
+
+Pure bookkeeping, no I/O: the gateway asks :class:`Fleet` for an instance, reports how
+the attempt went, and the fleet keeps in-flight counts and ejections on an injected
+clock, so all of it is unit-testable with fakes.
+
+A *pool* is a set of vLLM instances that all run one speculative config (its *arm*,
+e.g. ``"ngram:4"`` or ``"off"``). The policy picks a pool per (model, workload class,
+concurrency bucket); that choice lives in a :class:`RoutingTable` the control loop
+replaces atomically.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import urlsplit
+
+Clock = Callable[[], float]
+"""Seconds, monotonic; injected so ejection cool-downs are testable."""
+
+# Upper bounds (inclusive) of the concurrency buckets; above the last one is "gt64".
+DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyBuckets:
+    """Maps a count of in-flight requests to a low-cardinality bucket label.
+
+    ``bounds`` are inclusive upper bounds in increasing order: with (1, 2, 4) the labels
+    are ``"1"``, ``"2"``, ``"4"`` (3 and 4 in flight) and ``"gt4"``.
+    """
+
+    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
+    labels: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.bounds or list(self.bounds) != sorted(set(self.bounds)) or self.bounds[0] < 1:
+            raise ValueError(f"bucket bounds must be increasing positive ints: {self.bounds}")
+        labels = (*(str(b) for b in self.bounds), f"gt{self.bounds[-1]}")
+        object.__setattr__(self, "labels", labels)
+
+    def label(self, in_flight: int) -> str:
+        return self.labels[bisect.bisect_left(self.bounds, in_flight)]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """What the policy decides on: a model (None = any), a workload class and a bucket."""
+
+    model: str | None
+    workload_class: str
+    bucket: str
+
+
+class RoutingTable(Protocol):
+    """Picks the pool name for a request; the control loop swaps its contents atomically."""
+
+    def pool_for(self, model: str | None, workload_class: str, bucket: str) -> str: ...
+
+
+class StaticRoutingTable:
+    """Explicit routes with a default pool; :meth:`replace` swaps all routes at once.
+
+    A lookup tries (model, class, bucket), then the same with model None (routes that hold
+    for every model), then the default. Replacing rebinds one attribute to a new immutable
+    snapshot, so a reader in the event loop never sees a half-applied decision, even when
+    the control loop runs in another thread.
+    """
+
+    def __init__(self, default_pool: str, routes: Mapping[RouteKey, str] | None = None) -> None:
+        self._snapshot: tuple[str, dict[RouteKey, str]] = (default_pool, dict(routes or {}))
+
+    @property
+    def default_pool(self) -> str:
+        return self._snapshot[0]
+
+    @property
+    def routes(self) -> Mapping[RouteKey, str]:
+        return dict(self._snapshot[1])
+
+    def replace(self, routes: Mapping[RouteKey, str], default_pool: str | None = None) -> None:
+        self._snapshot = (default_pool or self._snapshot[0], dict(routes))
+
+    def pool_for(self, model: str | None, workload_class: str, bucket: str) -> str:
+        default, routes = self._snapshot
+        if not routes:
+            return default
+        pool = routes.get(RouteKey(model, workload_class, bucket))
+        if pool is None and model is not None:
+            pool = routes.get(RouteKey(None, workload_class, bucket))
+        return pool or default
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionPolicy:
+    """When an instance leaves rotation and for how long.
+
+    ``failures_to_eject`` consecutive failures eject it for ``cooldown_s``; each further
+    ejection without a success in between doubles the cool-down up to ``max_cooldown_s``,
+    so a dead instance costs one failed attempt per cool-down, not one per request.
+    """
+
+    failures_to_eject: int = 1
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+
+
+class Instance:
+    """One vLLM server: its base URL and the gateway's live counters for it."""
+
+    __slots__ = (
+        "base_url",
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "host",
+        "host_header",
+        "in_flight",
+        "port",
+    )
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        parts = urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname or parts.path:
+            raise ValueError(f"an instance is http://HOST[:PORT] without a path: {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.host_header = parts.netloc.encode("latin-1")
+        self.in_flight = 0
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+        self.ejections = 0
+
+    def available(self, now: float) -> bool:
+        return now >= self.ejected_until
+
+    def __repr__(self) -> str:
+        return f"Instance({self.base_url!r}, in_flight={self.in_flight})"
+
+
+class Pool:
+    """Instances that run one speculative config, the ``arm`` observations are tagged with."""
+
+    __slots__ = ("arm", "in_flight", "instances", "name")
+
+    def __init__(self, name: str, arm: str, base_urls: Sequence[str]) -> None:
+        if not base_urls:
+            raise ValueError(f"pool {name!r} has no instances")
+        self.name = name
+        self.arm = arm
+        self.instances = tuple(Instance(url) for url in base_urls)
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r}, arm={self.arm!r}, instances={list(self.instances)})"
+
+
+class NoInstanceAvailable(RuntimeError):
+    """Every instance of the pool (and of the fallback) is ejected or already tried."""
+
+
+class Fleet:
+    """Pools, in-flight accounting, least-in-flight choice and ejection.
+
+    The gateway calls :meth:`acquire` before an attempt and exactly one of
+    :meth:`release` (with ``ok``) after it. In-flight counts are kept per instance, per
+    pool and per model (the concurrency the routing bucket is computed from).
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[Pool],
+        *,
+        default_pool: str | None = None,
+        ejection: EjectionPolicy | None = None,
+        clock: Clock,
+    ) -> None:
+        if not pools:
+            raise ValueError("a fleet needs at least one pool")
+        self.pools: dict[str, Pool] = {pool.name: pool for pool in pools}
+        if len(self.pools) != len(pools):
+            raise ValueError("pool names must be unique")
+        self.default_pool = default_pool or pools[0].name
+        if self.default_pool not in self.pools:
+            raise ValueError(f"unknown default pool {self.default_pool!r}")
+        self.ejection = ejection or EjectionPolicy()
+        self._clock = clock
+        self._model_in_flight: dict[str | None, int] = {}
+
+    def model_in_flight(self, model: str | None) -> int:
+        return self._model_in_flight.get(model, 0)
+
+    def begin(self, model: str | None) -> int:
+        """Count a request for ``model`` as in flight; returns the count, itself included."""
+        count = self._model_in_flight.get(model, 0) + 1
+        self._model_in_flight[model] = count
+        return count
+
+    def end(self, model: str | None) -> None:
+        count = self._model_in_flight.get(model, 0) - 1
+        if count > 0:
+            self._model_in_flight[model] = count
+        else:
+            self._model_in_flight.pop(model, None)
+
+    def pick(self, pool_name: str, exclude: Sequence[Instance] = ()) -> tuple[Pool, Instance]:
+        """The least-loaded available instance of ``pool_name`` not in ``exclude``.
+
+        An unknown pool name, or a pool with no usable instance, falls back to the default
+        pool: a stale routing decision must degrade service, not break it. Ties go to the
+        first instance in configuration order, which keeps the choice deterministic.
+        """
+        now = self._clock()
+        pool = self.pools.get(pool_name) or self.pools[self.default_pool]
+        best = self._least_loaded(pool, now, exclude)
+        if best is None and pool.name != self.default_pool:
+            pool = self.pools[self.default_pool]
+            best = self._least_loaded(pool, now, exclude)
+        if best is None:
+            raise NoInstanceAvailable(f"no available instance in pool {pool_name!r}")
+        return pool, best
+
+    @staticmethod
+    def _least_loaded(pool: Pool, now: float, exclude: Sequence[Instance]) -> Instance | None:
+        best: Instance | None = None
+        for instance in pool.instances:
+            if instance.ejected_until > now or instance in exclude:
+                continue
+            if best is None or instance.in_flight < best.in_flight:
+                best = instance
+        return best
+
+    def acquire(self, pool: Pool, instance: Instance) -> int:
+        """Count an attempt as in flight; returns the pool's in-flight count, itself included."""
+        instance.in_flight += 1
+        pool.in_flight += 1
+        return pool.in_flight
+
+    def release(self, pool: Pool, instance: Instance, *, ok: bool) -> None:
+        """End an attempt; a failure counts toward ejecting the instance."""
+        instance.in_flight -= 1
+        pool.in_flight -= 1
+        if ok:
+            instance.consecutive_failures = 0
+            instance.ejections = 0
+            return
+        instance.consecutive_failures += 1
+        if instance.consecutive_failures >= self.ejection.failures_to_eject:
+            policy = self.ejection
+            cooldown = min(policy.cooldown_s * 2**instance.ejections, policy.max_cooldown_s)
+            instance.ejected_until = self._clock() + cooldown
+            instance.ejections += 1
+            instance.consecutive_failures = 0

@@ -1,0 +1,226 @@
+"""A lean HTTP/1.1 client for the gateway's upstreams: keep-alive pools on asyncio.
+
+Why not httpx: measured in ``bench/gateway.py`` on this machine, httpx's pooled
+AsyncClient cost about 4–6 ms of CPU per streamed request (its connection pool scans
+every connection on every request, and each I/O step goes through anyio), far above the
+gateway's whole budget. This client does one thing: send a request to a vLLM instance
+over a pooled connection and hand back the response head and the body chunks as they
+arrive, with the response parsed by ``httptools`` (C, the parser uvicorn uses).
+
+Back-pressure: when the client reading the stream falls behind, the connection stops
+reading from the upstream socket above ``_HIGH_WATER`` buffered bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+
+_HIGH_WATER = 1 << 20
+_LOW_WATER = 1 << 16
+
+
+class UpstreamError(Exception):
+    """The connection failed or the upstream sent something that is not HTTP/1.1."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHead:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    """Raw header pairs as received (names in the upstream's case)."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head: ResponseHead | None = None
+        self._complete = False
+        self._error: BaseException | None = None
+        self.closed = False
+        self.received_any = False
+        """Whether this request got any response byte: a reused connection that fails
+        before that was most likely closed by the upstream while idle."""
+
+    # asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received_any = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"bad response from upstream: {exc}"))
+            return
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self._complete:
+            self._fail(UpstreamError(f"upstream closed the connection: {exc!r}"))
+        self._wake()
+
+    # httptools callbacks --------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._head = ResponseHead(self._parser.get_status_code(), self._headers)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+    # the gateway's side ---------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        if self._transport is not None:
+            self._transport.close()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def send(self, request: bytes) -> None:
+        assert self._transport is not None
+        self._headers = []
+        self._head = None
+        self._complete = False
+        self.received_any = False
+        self._transport.write(request)
+
+    async def head(self) -> ResponseHead:
+        while self._head is None:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self._head
+
+    async def chunk(self) -> bytes | None:
+        """The next piece of the decoded body (chunked framing removed); None at its end."""
+        while not self._chunks:
+            if self._complete:
+                return None
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        data = self._chunks.popleft()
+        if self._chunks:
+            # Hand over everything that is already here in one piece: fewer writes.
+            data = b"".join((data, *self._chunks))
+            self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return data
+
+    @property
+    def reusable(self) -> bool:
+        return (
+            self._complete
+            and not self.closed
+            and self._error is None
+            and self._parser.should_keep_alive()
+        )
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+class UpstreamPool:
+    """Idle keep-alive connections per upstream (host, port), reused last-in first-out."""
+
+    def __init__(self, connect_timeout_s: float = 2.0, max_idle_per_host: int = 256) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
+
+    async def connect(self, host: str, port: int) -> tuple[UpstreamConnection, bool]:
+        """A connection to (host, port) and whether it was reused from the pool."""
+        idle = self._idle.get((host, port))
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                return connection, True
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await asyncio.wait_for(
+                loop.create_connection(UpstreamConnection, host, port), self.connect_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to {host}:{port}: {exc!r}") from exc
+        return protocol, False
+
+    def release(self, host: str, port: int, connection: UpstreamConnection) -> None:
+        """Back to the pool when the exchange completed cleanly; closed otherwise (a
+        half-read response must not be reused, and closing it is what makes vLLM abort
+        the request)."""
+        if not connection.reusable:
+            connection.close()
+            return
+        idle = self._idle.setdefault((host, port), [])
+        if len(idle) < self.max_idle_per_host:
+            idle.append(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+
+
+def encode_request(
+    method: str, target: str, host: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """An HTTP/1.1 request with ``content-length``; ``headers`` must be hop-by-hop free."""
+    parts = [
+        method.encode("latin-1"),
+        b" ",
+        target.encode("latin-1"),
+        b" HTTP/1.1\r\nhost: ",
+        host,
+        b"\r\ncontent-length: ",
+        str(len(body)).encode(),
+        b"\r\n",
+    ]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)

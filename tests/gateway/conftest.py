@@ -1,0 +1,101 @@
+"""Running the gateway (and small upstreams) on loopback for tests, each in its thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from collectors.observations import RequestObservation
+from controller.gateway.app import Gateway
+from testbed.server import free_port
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for test upstreams."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class RunningGateway:
+    """A gateway served by uvicorn on a free port; ``observations`` is its sink's list."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.port = free_port()
+        self.observations: list[RequestObservation] = []
+        gateway.sink = self.observations.append
+        config = uvicorn.Config(
+            gateway,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            proxy_headers=False,
+            lifespan="off",
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started, what="gateway start")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_observations(self, count: int) -> list[RequestObservation]:
+        # The sink runs right after the last byte is sent, so it may trail the client.
+        wait_until(lambda: len(self.observations) >= count, what=f"{count} observations")
+        return self.observations
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(15)
+        self.gateway.aclose()
+
+
+def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition``; the timeout only guards against a hang, it asserts no speed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def run_gateway() -> Iterator[Callable[[Gateway], RunningGateway]]:
+    started: list[RunningGateway] = []
+
+    def start(gateway: Gateway) -> RunningGateway:
+        running = RunningGateway(gateway)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.stop()

@@ -1,0 +1,37 @@
+"""`python -m bench.gateway --upstream replay --json` runs and reports every level."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_replay_benchmark_reports_each_level() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--upstream",
+            "replay",
+            "--json",
+            "--levels",
+            "1",
+            "4",
+            "--requests",
+            "8",
+            "--chunk-interval-ms",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(result.stdout)
+    assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+    # At least 8 streams per concurrent stream and path, so p99 is not one sample.
+    assert [level["requests"] for level in report["levels"]] == [8, 32]
+    for level in report["levels"]:
+        assert {"added_p50_ms", "added_p99_ms", "upstream_cpu_ms_per_request"} <= level.keys()

@@ -1,0 +1,210 @@
+"""The gateway end to end on loopback against fake upstreams: a replay server that plays
+recorded real vLLM 0.32 streams, a dead port, and an upstream that dies mid-stream.
+The same behaviours against real vLLM are in test_gateway_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.gateway import FIXTURES, ReplayUpstream, sse_events
+from controller.gateway.app import Gateway
+from controller.gateway.routing import EjectionPolicy, Fleet, Pool, RouteKey, StaticRoutingTable
+from testbed.server import free_port
+from tests.gateway.conftest import LoopThread, RunningGateway
+
+STREAM_BODY = {"model": "tiny-llama", "prompt": "def f(", "stream": True}
+_ID = re.compile(rb'"id":"[^"]*"')
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def start_replay(loop_thread: LoopThread) -> tuple[ReplayUpstream, str]:
+    upstream = ReplayUpstream(
+        sse_events(FIXTURES / "completion-ngram-stream.sse"),
+        sse_events(FIXTURES / "completion-ngram-stream-usage.sse"),
+        interval_s=0.0,
+    )
+    port = free_port()
+    loop_thread.run(asyncio.start_server(upstream.handle, "127.0.0.1", port))
+    return upstream, f"http://127.0.0.1:{port}"
+
+
+def start_cut_upstream(loop_thread: LoopThread) -> tuple[list[int], str]:
+    """Answers 200 with one SSE event, then closes the connection mid-body."""
+    served: list[int] = []
+    first_event = sse_events(FIXTURES / "completion-ngram-stream-usage.sse")[0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        served.append(1)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n"
+            % (len(first_event), first_event)
+        )
+        await writer.drain()
+        writer.close()
+
+    port = free_port()
+    loop_thread.run(asyncio.start_server(handle, "127.0.0.1", port))
+    return served, f"http://127.0.0.1:{port}"
+
+
+def stream_text(base_url: str, body: Mapping[str, Any], **headers: str) -> bytes:
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        return response.read()
+
+
+def test_stream_is_what_the_upstream_sends_without_usage_and_is_observed(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    replay, url = start_replay(loop_thread)
+    fleet = Fleet([Pool("ngram", "ngram:4", [url])], clock=FakeClock())
+    gateway = run_gateway(Gateway(fleet))
+
+    through = stream_text(gateway.base_url, STREAM_BODY, **{"X-Workload-Class": "code"})
+    direct = stream_text(url, STREAM_BODY)
+
+    assert replay.requests == 2
+    # The fixtures were recorded as two requests, so their ids differ; nothing else may.
+    assert _ID.sub(b"", through) == _ID.sub(b"", direct)
+    (observation,) = gateway.wait_observations(1)
+    assert observation.workload_class == "code"
+    assert (observation.pool, observation.arm, observation.concurrency) == ("ngram", "ngram:4", 1)
+    # The figures of the recorded usage chunk, read off the stream the client never saw.
+    assert observation.spec is not None
+    assert (observation.spec.num_drafts, observation.spec.num_draft_tokens) == (6, 14)
+    assert observation.spec.num_accepted_tokens == 14
+    assert observation.output_tokens == 24
+    assert observation.ttft_s == pytest.approx(0.1466648680000162)
+    assert fleet.pools["ngram"].in_flight == 0
+
+
+def test_client_that_asked_for_usage_gets_it_unchanged(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    _, url = start_replay(loop_thread)
+    gateway = run_gateway(Gateway(Fleet([Pool("p", "ngram:4", [url])], clock=FakeClock())))
+    body = {**STREAM_BODY, "stream_options": {"include_usage": True}}
+    assert stream_text(gateway.base_url, body) == stream_text(url, body)
+    (observation,) = gateway.wait_observations(1)
+    assert observation.spec is not None and observation.spec.num_drafts == 6
+
+
+def test_dead_instance_is_ejected_and_the_request_retried_elsewhere(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    replay, url = start_replay(loop_thread)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    clock = FakeClock()
+    fleet = Fleet(
+        [Pool("p", "off", [dead, url])], clock=clock, ejection=EjectionPolicy(cooldown_s=10.0)
+    )
+    gateway = run_gateway(Gateway(fleet))
+    dead_instance = fleet.pools["p"].instances[0]
+
+    stream_text(gateway.base_url, STREAM_BODY)
+    assert replay.requests == 1
+    assert dead_instance.ejected_until == 10.0
+
+    stream_text(gateway.base_url, STREAM_BODY)
+    assert dead_instance.ejections == 1, "an ejected instance is not tried"
+    clock.now = 10.0
+    stream_text(gateway.base_url, STREAM_BODY)
+    assert replay.requests == 3
+    assert dead_instance.ejections == 2, "re-admitted after the cool-down, failed, ejected"
+    assert dead_instance.ejected_until == 30.0, "the second cool-down is twice as long"
+    assert len(gateway.wait_observations(3)) == 3
+
+
+def test_no_retry_once_the_client_has_bytes(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    replay, url = start_replay(loop_thread)
+    served, cut_url = start_cut_upstream(loop_thread)
+    fleet = Fleet([Pool("p", "off", [cut_url, url])], clock=FakeClock())
+    gateway = run_gateway(Gateway(fleet))
+
+    received = b""
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream("POST", f"{gateway.base_url}/v1/completions", json=STREAM_BODY) as response,
+    ):
+        assert response.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            for piece in response.iter_raw():
+                received += piece
+    assert received.startswith(b"data: {") and b"[DONE]" not in received
+    assert served == [1] and replay.requests == 0, "the request was not sent twice"
+    assert fleet.pools["p"].instances[0].ejections == 1
+    assert gateway.observations == []
+
+
+def test_no_available_instance_is_a_503(
+    run_gateway: Callable[[Gateway], RunningGateway],
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    gateway = run_gateway(Gateway(Fleet([Pool("p", "off", [dead])], clock=FakeClock())))
+    response = httpx.post(f"{gateway.base_url}/v1/completions", json=STREAM_BODY, timeout=30.0)
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "ServiceUnavailable"
+
+
+def test_classifier_and_routing_table_pick_the_pool(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    off_replay, off_url = start_replay(loop_thread)
+    ngram_replay, ngram_url = start_replay(loop_thread)
+    fleet = Fleet(
+        [Pool("off", "off", [off_url]), Pool("ngram", "ngram:4", [ngram_url])],
+        clock=FakeClock(),
+    )
+    table = StaticRoutingTable("off")
+    seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    def classifier(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
+        seen.append((dict(headers), dict(body)))
+        if body.get("prompt") == "boom":
+            raise RuntimeError("classifier bug")
+        return "code" if str(body.get("prompt", "")).startswith("def") else "prose"
+
+    gateway = run_gateway(Gateway(fleet, routing=table, classifier=classifier))
+    stream_text(gateway.base_url, STREAM_BODY)
+    assert (off_replay.requests, ngram_replay.requests) == (1, 0)
+
+    table.replace({RouteKey("tiny-llama", "code", "1"): "ngram"})
+    stream_text(gateway.base_url, STREAM_BODY)
+    stream_text(gateway.base_url, {**STREAM_BODY, "prompt": "Once upon"})
+    stream_text(gateway.base_url, {**STREAM_BODY, "prompt": "boom"})
+    stream_text(gateway.base_url, STREAM_BODY, **{"X-Workload-Class": "prose"})
+    assert (off_replay.requests, ngram_replay.requests) == (4, 1)
+
+    observations = gateway.wait_observations(5)
+    assert [o.workload_class for o in observations] == [
+        "code",
+        "code",
+        "prose",
+        "default",
+        "prose",
+    ]
+    assert [o.arm for o in observations] == ["off", "ngram:4", "off", "off", "off"]
+    # The header decides alone: the classifier was not asked the last time.
+    assert len(seen) == 4
+    assert seen[0][1]["prompt"] == "def f(" and "content-type" in seen[0][0]

@@ -1,0 +1,132 @@
+"""Routing, balancing and ejection: pure logic, tested with a fake clock (no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.gateway.routing import (
+    ConcurrencyBuckets,
+    EjectionPolicy,
+    Fleet,
+    NoInstanceAvailable,
+    Pool,
+    RouteKey,
+    StaticRoutingTable,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(clock: FakeClock, **kwargs: object) -> Fleet:
+    pools = [
+        Pool("off", "off", ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]),
+        Pool("ngram", "ngram:4", ["http://127.0.0.1:9003"]),
+    ]
+    return Fleet(pools, clock=clock, **kwargs)  # type: ignore[arg-type]
+
+
+def test_buckets_are_inclusive_upper_bounds() -> None:
+    buckets = ConcurrencyBuckets((1, 2, 4, 16))
+    labels = [buckets.label(n) for n in (1, 2, 3, 4, 5, 16, 17, 1000)]
+    assert labels == ["1", "2", "4", "4", "16", "16", "gt16", "gt16"]
+    with pytest.raises(ValueError):
+        ConcurrencyBuckets((4, 2))
+
+
+def test_routing_table_prefers_exact_then_any_model_then_default() -> None:
+    table = StaticRoutingTable("off")
+    assert table.pool_for("m", "code", "1") == "off"
+    table.replace(
+        {
+            RouteKey("m", "code", "1"): "ngram",
+            RouteKey(None, "code", "2"): "ngram",
+        }
+    )
+    assert table.pool_for("m", "code", "1") == "ngram"
+    assert table.pool_for("other", "code", "2") == "ngram"
+    assert table.pool_for("m", "code", "16") == "off"
+    assert table.pool_for("m", "prose", "1") == "off"
+    table.replace({}, default_pool="ngram")
+    assert table.pool_for("m", "code", "1") == "ngram"
+    assert table.default_pool == "ngram"
+
+
+def test_least_in_flight_inside_the_pool() -> None:
+    clock = FakeClock()
+    f = fleet(clock)
+    pool, first = f.pick("off")
+    f.acquire(pool, first)
+    _, second = f.pick("off")
+    assert second is not first, "the idle instance wins over the busy one"
+    f.acquire(pool, second)
+    f.acquire(pool, second)
+    _, third = f.pick("off")
+    assert third is first
+    assert pool.in_flight == 3
+    f.release(pool, second, ok=True)
+    f.release(pool, second, ok=True)
+    f.release(pool, first, ok=True)
+    assert pool.in_flight == 0 and first.in_flight == 0 and second.in_flight == 0
+
+
+def test_failure_ejects_until_cooldown_then_readmits_with_backoff() -> None:
+    clock = FakeClock()
+    f = fleet(clock, ejection=EjectionPolicy(failures_to_eject=2, cooldown_s=5.0))
+    pool, bad = f.pick("off")
+    for _ in range(2):
+        f.acquire(pool, bad)
+        f.release(pool, bad, ok=False)
+    assert all(f.pick("off")[1] is not bad for _ in range(3))
+    clock.now += 5.0
+    assert f.pick("off")[1] is bad, "re-admitted after the cool-down"
+    for _ in range(2):
+        f.acquire(pool, bad)
+        f.release(pool, bad, ok=False)
+    clock.now += 5.0
+    assert f.pick("off")[1] is not bad, "a second ejection lasts twice as long"
+    clock.now += 5.0
+    assert f.pick("off")[1] is bad
+    f.acquire(pool, bad)
+    f.release(pool, bad, ok=True)
+    assert bad.ejections == 0 and bad.consecutive_failures == 0
+
+
+def test_exclusion_and_fallback_to_default_pool() -> None:
+    clock = FakeClock()
+    f = fleet(clock)
+    ngram, only = f.pick("ngram")
+    f.acquire(ngram, only)
+    f.release(ngram, only, ok=False)
+    pool, instance = f.pick("ngram")
+    assert pool.name == "off", "a pool with nothing available falls back to the default"
+    assert f.pick("no-such-pool")[0].name == "off"
+    off = f.pools["off"]
+    with pytest.raises(NoInstanceAvailable):
+        f.pick("off", exclude=off.instances)
+    assert instance in off.instances
+
+
+def test_model_in_flight_counts_requests_per_model() -> None:
+    f = fleet(FakeClock())
+    assert f.begin("a") == 1
+    assert f.begin("a") == 2
+    assert f.begin(None) == 1
+    f.end("a")
+    assert f.model_in_flight("a") == 1
+    f.end("a")
+    assert f.model_in_flight("a") == 0
+
+
+def test_instance_urls_are_validated() -> None:
+    with pytest.raises(ValueError):
+        Pool("p", "off", ["https://example.invalid"])
+    with pytest.raises(ValueError):
+        Pool("p", "off", [])
+    with pytest.raises(ValueError):
+        Fleet([Pool("a", "off", ["http://127.0.0.1:1"])], default_pool="b", clock=FakeClock())
