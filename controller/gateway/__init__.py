@@ -9,7 +9,6 @@ from controller.gateway.app import Gateway
 from controller.gateway.classify import Classifier, ConstantClassifier
 from controller.gateway.observe import ObservationSink, observation_from_response
 from controller.gateway.routing import (
-    ConcurrencyBuckets,
     EjectionPolicy,
     Fleet,
     Instance,
@@ -21,6 +20,7 @@ from controller.gateway.routing import (
 )
 from controller.gateway.sse import SseRelay
 from controller.gateway.upstream import UpstreamPool
+from policies.arms import ConcurrencyBuckets
 
 __all__ = [
     "Classifier",

@@ -35,7 +35,6 @@ from controller.gateway.classify import (
 from controller.gateway.observe import ObservationSink, observation_from_response
 from controller.gateway.routing import (
     Clock,
-    ConcurrencyBuckets,
     Fleet,
     Instance,
     NoInstanceAvailable,
@@ -51,6 +50,7 @@ from controller.gateway.upstream import (
     UpstreamPool,
     encode_request,
 )
+from policies.arms import ConcurrencyBuckets
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -212,7 +212,7 @@ class Gateway:
                 strip_usage = True
 
         fleet = self.fleet
-        bucket = self.buckets.label(fleet.begin(model))
+        bucket = self.buckets.bucket(fleet.begin(model))
         try:
             pool_name = self.routing.pool_for(model, workload_class, bucket)
             headers = _forward_headers(scope)

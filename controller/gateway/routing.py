@@ -12,38 +12,13 @@ replaces atomically.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
 Clock = Callable[[], float]
 """Seconds, monotonic; injected so ejection cool-downs are testable."""
-
-# Upper bounds (inclusive) of the concurrency buckets; above the last one is "gt64".
-DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-
-
-@dataclass(frozen=True, slots=True)
-class ConcurrencyBuckets:
-    """Maps a count of in-flight requests to a low-cardinality bucket label.
-
-    ``bounds`` are inclusive upper bounds in increasing order: with (1, 2, 4) the labels
-    are ``"1"``, ``"2"``, ``"4"`` (3 and 4 in flight) and ``"gt4"``.
-    """
-
-    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
-    labels: tuple[str, ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not self.bounds or list(self.bounds) != sorted(set(self.bounds)) or self.bounds[0] < 1:
-            raise ValueError(f"bucket bounds must be increasing positive ints: {self.bounds}")
-        labels = (*(str(b) for b in self.bounds), f"gt{self.bounds[-1]}")
-        object.__setattr__(self, "labels", labels)
-
-    def label(self, in_flight: int) -> str:
-        return self.labels[bisect.bisect_left(self.bounds, in_flight)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from controller.gateway.routing import (
-    ConcurrencyBuckets,
     EjectionPolicy,
     Fleet,
     NoInstanceAvailable,
@@ -13,6 +12,7 @@ from controller.gateway.routing import (
     RouteKey,
     StaticRoutingTable,
 )
+from policies.arms import ConcurrencyBuckets
 
 
 class FakeClock:
@@ -31,10 +31,10 @@ def fleet(clock: FakeClock, **kwargs: object) -> Fleet:
     return Fleet(pools, clock=clock, **kwargs)  # type: ignore[arg-type]
 
 
-def test_buckets_are_inclusive_upper_bounds() -> None:
+def test_gateway_buckets_are_the_policys() -> None:
     buckets = ConcurrencyBuckets((1, 2, 4, 16))
-    labels = [buckets.label(n) for n in (1, 2, 3, 4, 5, 16, 17, 1000)]
-    assert labels == ["1", "2", "4", "4", "16", "16", "gt16", "gt16"]
+    labels = [buckets.bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 1000)]
+    assert labels == ["1", "2-3", "2-3", "4-15", "4-15", "16+", "16+", "16+"]
     with pytest.raises(ValueError):
         ConcurrencyBuckets((4, 2))
 
