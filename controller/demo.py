@@ -1,40 +1,258 @@
-"""`specpilot demo`: specpilot on its embedded default, no GPU and no setup.
+"""`specpilot demo`: the whole loop on the embedded default, no GPU and no setup.
 
-Interim: the simulated fleet and the control loop land with the service (issue 5). Until
-then the demo shows what exists: the collectors reading real vLLM 0.32 /metrics pages
-recorded by the testbed, as the window between two scrapes of the same worker.
+What runs, all in this process:
+
+- a simulated vLLM fleet (``simulator.server.SimFleet``): one pool per speculative config
+  (off, and each proposer of the demo scenario), speaking vLLM's HTTP protocols;
+- the gateway in front of it, routing every request by the policy's choice for its
+  (model, class, concurrency bucket), and feeding what each request measured back;
+- the real service: SQLite in ``--data-dir``, the control loop with specpilot's bandit,
+  and the REST API on ``--port`` (the same API as ``specpilot serve``);
+- a closed-loop load generator playing the demo scenario (quiet, rush, quiet);
+- a live table of the decisions per context.
+
+A second start with the same ``--data-dir`` continues from the learned state, overrides
+and decisions the first one left.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from collectors.cli import run as metrics_run
+import uvicorn
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32"
+from controller.api import create_app
+from controller.contexts import Context
+from controller.gateway import Gateway
+from controller.gateway.routing import Fleet as GatewayFleet
+from controller.gateway.routing import Pool
+from controller.service import Service, build_service
+from controller.settings import Settings
+from controller.store.db import StoreUnavailable
+from controller.wiring import BanditControlPolicy, QueuedObservations, bandit_policy
+from policies.arms import OFF, Arm
+from policies.bandit import SpecPilotPolicy
+from simulator.load import LoadOptions, run_load
+from simulator.scenario import Scenario, load_scenario
+from simulator.server import PoolSpec, SimFleet, default_pools
+
+DEMO_SCENARIO = Path(__file__).resolve().parent.parent / "simulator" / "scenarios" / "demo.yaml"
+
+# vLLM method names and (simulated) draft weights for the simulator's proposer names.
+_VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "draft": "draft_model"}
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("demo", help="run specpilot on its embedded default")
-    parser.add_argument("--port", type=int, default=8077)
+    parser = subparsers.add_parser(
+        "demo", help="the whole loop on a simulated fleet: SQLite, no GPU, no setup"
+    )
+    parser.add_argument("--port", type=int, default=8077, help="the REST API's port")
     parser.add_argument("--data-dir", type=Path, default=Path("specpilot-data"))
+    parser.add_argument("--scenario", type=Path, default=DEMO_SCENARIO)
+    parser.add_argument(
+        "--speed", type=float, default=10.0, help="scenario seconds per wall-clock second"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="stop after this long (default: scenario end)"
+    )
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    print("specpilot demo (interim): the simulated fleet and control loop are not built yet.")
-    print("What exists: window statistics of real vLLM 0.32 pages the testbed recorded.\n")
-    for name in ("ngram", "draft", "off"):
-        print(f"== {name}: {FIXTURES.name}/metrics-{name}-start.txt → metrics-{name}-after.txt")
-        window = argparse.Namespace(
-            file=FIXTURES / f"metrics-{name}-start.txt",
-            later_file=FIXTURES / f"metrics-{name}-after.txt",
-            json=False,
+class PolicyRouting:
+    """The routing actuator: each request goes to the pool that runs the arm the policy
+    chooses for its context (committed arm, or an exploration arm within the cap)."""
+
+    def __init__(
+        self, policy: SpecPilotPolicy, pool_by_arm: Mapping[str, str], default_model: str
+    ) -> None:
+        self.policy = policy
+        self.default_model = default_model
+        self.pool_by_arm = dict(pool_by_arm)
+        self.seen: set[Context] = set()
+
+    def pool_for(self, model: str | None, workload_class: str, bucket: str) -> str:
+        context = Context(model or self.default_model, workload_class, bucket)
+        self.seen.add(context)
+        arm = self.policy.select(context)
+        return self.pool_by_arm.get(str(arm), self.pool_by_arm[str(OFF)])
+
+
+def pool_arm(pool: PoolSpec) -> Arm:
+    config = pool.config
+    return OFF if config.proposer is None else Arm(config.proposer, config.gamma)
+
+
+def demo_settings(
+    scenario: Scenario, pools: tuple[PoolSpec, ...], urls: Mapping[str, list[str]], args: Any
+) -> Settings:
+    """The settings ``serve`` would read from a file, for the simulated fleet."""
+    fleet: dict[str, Any] = {}
+    for pool in pools:
+        arm = pool_arm(pool)
+        entry: dict[str, Any] = {"model": scenario.model.name, "instances": urls[pool.name]}
+        if arm.proposer is not None:
+            method = _VLLM_METHOD.get(arm.proposer, arm.proposer)
+            proposer: dict[str, Any] = {"method": method, "gamma": [arm.gamma, arm.gamma]}
+            if method != "ngram":
+                proposer["model"] = f"sim/{arm.proposer}"
+            entry["proposers"] = {arm.proposer: proposer}
+            entry["speculative_config"] = {
+                **{k: v for k, v in proposer.items() if k != "gamma"},
+                "num_speculative_tokens": arm.gamma,
+            }
+        fleet[pool.name] = entry
+    return Settings.model_validate(
+        {
+            "data_dir": args.data_dir,
+            "api": {"port": args.port},
+            "classes": list(scenario.classes),
+            "scrape_interval_s": 1.0,
+            "policy": {"min_dwell_s": 10.0, "measure_after_s": 20.0},
+            "fleet": {"pools": fleet},
+        }
+    )
+
+
+def _free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def render(
+    policy: SpecPilotPolicy,
+    contexts: set[Context],
+    scenario: Scenario,
+    elapsed_s: float,
+    speed: float,
+) -> str:
+    """The live table: the policy's committed arm for every context traffic has reached."""
+    sim_t = elapsed_s * speed
+    phase = scenario.phase_at(min(sim_t, scenario.duration_s - 1e-9))
+    lines = [
+        f"specpilot demo  t={elapsed_s:6.1f}s (scenario {sim_t:5.0f}s, "
+        f"{scenario.concurrency_at(min(sim_t, scenario.duration_s - 1e-9))} streams, phase {phase})"
+        f"  explore {policy.explore_fraction:.2f}",
+        f"{'class':10s} {'bucket':7s} {'arm':10s} {'reason':11s} {'pred. speed-up':>15s}",
+    ]
+    for context in sorted(contexts, key=lambda c: (c.workload_class, c.bucket)):
+        decision = policy.decide(context)
+        speedup = decision.predicted_speedup
+        shown = f"{speedup:.2f}" if speedup is not None else "-"
+        lines.append(
+            f"{context.workload_class:10s} {context.bucket:7s} {decision.arm!s:10s} "
+            f"{decision.reason:11s} {shown:>15s}"
         )
-        code = metrics_run(window)
-        if code:
-            return code
-        print()
+    return "\n".join(lines)
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("a demo HTTP server failed to start")
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def run_demo(args: Any) -> int:
+    scenario = load_scenario(args.scenario)
+    pools = default_pools(scenario)
+    sim = SimFleet(scenario, pools, speed=args.speed)
+    await sim.start()
+    urls = {pool.name: sim.urls(pool.name) for pool in pools}
+    settings = demo_settings(scenario, pools, urls, args)
+    control: BanditControlPolicy = bandit_policy(settings)
+    observations = QueuedObservations()
+    try:
+        service: Service = build_service(settings, control, observations, actuators=[])
+    except StoreUnavailable as exc:
+        await sim.stop()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    gateway_pools = [Pool(p.name, str(pool_arm(p)), urls[p.name]) for p in pools]
+    routing = PolicyRouting(
+        control.policy, {str(pool_arm(p)): p.name for p in pools}, scenario.model.name
+    )
+    gateway = Gateway(
+        GatewayFleet(gateway_pools, clock=time.monotonic),
+        routing=routing,
+        sink=observations.put,
+    )
+    api_server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, service), log_level="warning", lifespan="on")
+    )
+    gateway_server = uvicorn.Server(
+        uvicorn.Config(gateway, log_level="warning", lifespan="off", access_log=False)
+    )
+    api_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    api_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    api_sock.bind((settings.api.host, settings.api.port))
+    gateway_sock = _free_socket()
+    tasks = [await _serve(api_server, api_sock), await _serve(gateway_server, gateway_sock)]
+    gateway_url = f"http://127.0.0.1:{gateway_sock.getsockname()[1]}"
+
+    print(f"specpilot demo: data in {settings.data_dir.resolve()}")
+    print(
+        f"  REST API   http://{settings.api.host}:{settings.api.port}/v1/policy  (/docs, /metrics)"
+    )
+    print(f"  gateway    {gateway_url}/v1/completions  (OpenAI-compatible)")
+    for pool in pools:
+        print(f"  pool {pool.name:7s} {pool_arm(pool)!s:9s} {', '.join(urls[pool.name])}")
+    if not os.environ.get("SPECPILOT_API_TOKEN"):
+        print("  (set SPECPILOT_API_TOKEN to allow writes such as POST /v1/overrides)")
+    print()
+
+    wall_s = args.seconds if args.seconds is not None else scenario.duration_s / args.speed
+    started = time.monotonic()
+    load = asyncio.create_task(
+        run_load(
+            gateway_url,
+            scenario,
+            LoadOptions(speed=args.speed, max_requests=1_000_000, max_duration_s=wall_s),
+            rng=random.Random(scenario.seed),
+        )
+    )
+    interactive = sys.stdout.isatty()
+    try:
+        while not load.done():
+            await asyncio.wait({load}, timeout=2.0 if interactive else 10.0)
+            table = render(
+                control.policy, routing.seen, scenario, time.monotonic() - started, args.speed
+            )
+            print(("\x1b[H\x1b[J" if interactive else "") + table + "\n", flush=True)
+        report = load.result()
+        print(
+            f"done: {len(report.results)} requests through the gateway; "
+            f"decisions in {settings.data_dir / 'specpilot.db'}"
+        )
+    finally:
+        for server in (gateway_server, api_server):
+            server.should_exit = True
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await task
+        gateway.aclose()
+        service.close()
+        await sim.stop()
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(run_demo(args))
+    except KeyboardInterrupt:
+        return 130
