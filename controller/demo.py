@@ -33,9 +33,7 @@ import uvicorn
 
 from controller.api import create_app
 from controller.contexts import Context
-from controller.gateway import Gateway
-from controller.gateway.routing import Fleet as GatewayFleet
-from controller.gateway.routing import Pool
+from controller.routed import routed_gateway
 from controller.service import Service, build_service
 from controller.settings import Settings
 from controller.store.db import StoreUnavailable
@@ -66,25 +64,6 @@ def register(subparsers: Any) -> None:
         "--seconds", type=float, default=None, help="stop after this long (default: scenario end)"
     )
     parser.set_defaults(func=run)
-
-
-class PolicyRouting:
-    """The routing actuator: each request goes to the pool that runs the arm the policy
-    chooses for its context (committed arm, or an exploration arm within the cap)."""
-
-    def __init__(
-        self, policy: SpecPilotPolicy, pool_by_arm: Mapping[str, str], default_model: str
-    ) -> None:
-        self.policy = policy
-        self.default_model = default_model
-        self.pool_by_arm = dict(pool_by_arm)
-        self.seen: set[Context] = set()
-
-    def pool_for(self, model: str | None, workload_class: str, bucket: str) -> str:
-        context = Context(model or self.default_model, workload_class, bucket)
-        self.seen.add(context)
-        arm = self.policy.select(context)
-        return self.pool_by_arm.get(str(arm), self.pool_by_arm[str(OFF)])
 
 
 def pool_arm(pool: PoolSpec) -> Arm:
@@ -183,15 +162,7 @@ async def run_demo(args: Any) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
-    gateway_pools = [Pool(p.name, str(pool_arm(p)), urls[p.name]) for p in pools]
-    routing = PolicyRouting(
-        control.policy, {str(pool_arm(p)): p.name for p in pools}, scenario.model.name
-    )
-    gateway = Gateway(
-        GatewayFleet(gateway_pools, clock=time.monotonic),
-        routing=routing,
-        sink=observations.put,
-    )
+    gateway, routing = routed_gateway(settings, control.policy, observations.put)
     api_server = uvicorn.Server(
         uvicorn.Config(create_app(settings, service), log_level="warning", lifespan="on")
     )
