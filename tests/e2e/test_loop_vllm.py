@@ -1,0 +1,113 @@
+"""The closed loop on real vLLM: two real pools (n-gram γ=4 and off) behind the gateway.
+
+No simulator: the gateway proxies to real vLLM-CPU servers, their per-request spec
+metrics feed the real bandit through the real control loop, and routing follows its
+choice. One stream of self-repeating code prompts should settle on n-gram; sixteen
+concurrent streams should settle on off (speculation costs a saturated engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from controller.api import create_app
+from controller.contexts import Context
+from controller.routed import routed_gateway
+from controller.service import build_service
+from controller.settings import Settings
+from controller.wiring import QueuedObservations, bandit_policy
+from testbed.server import SERVED_MODEL
+from testbed.traffic import code_prompt, completion_body
+from tests.conftest import VllmServers
+
+pytestmark = pytest.mark.vllm
+
+
+def settings_for(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
+    ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return Settings.model_validate(
+        {
+            "data_dir": data_dir,
+            "classes": ["code"],
+            "scrape_interval_s": 0.5,
+            "policy": {"min_dwell_s": 5.0, "measure_after_s": 10.0},
+            "api": {"port": 0},
+            "fleet": {
+                "pools": {
+                    "ngram": {
+                        "model": SERVED_MODEL,
+                        "instances": [ngram_url],
+                        "speculative_config": {**ngram, "num_speculative_tokens": 4},
+                        "proposers": {
+                            "ngram": {
+                                "method": "ngram",
+                                "gamma": [4, 4],
+                                "tuning": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
+                            }
+                        },
+                    },
+                    "off": {"model": SERVED_MODEL, "instances": [off_url]},
+                }
+            },
+        }
+    )
+
+
+async def streams(url: str, count: int, requests_each: int) -> None:
+    async def stream(index: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=300.0) as client:
+            for i in range(requests_each):
+                body = completion_body(code_prompt(index * 1000 + i), 48)
+                response = await client.post(
+                    "/v1/completions", json=body, headers={"X-Workload-Class": "code"}
+                )
+                response.raise_for_status()
+
+    await asyncio.gather(*(stream(i) for i in range(count)))
+
+
+def test_loop_settles_on_ngram_alone_and_off_under_load(
+    vllm_servers: VllmServers, tmp_path: Path
+) -> None:
+    ngram, off = vllm_servers.get("ngram:4"), vllm_servers.get("off")
+    settings = settings_for(ngram.base_url, off.base_url, tmp_path / "data")
+    control = bandit_policy(settings)
+    queue = QueuedObservations()
+    service = build_service(settings, control, queue, actuators=[])
+    gateway, _ = routed_gateway(settings, control.policy, queue.put)
+
+    async def scenario() -> tuple[str, str]:
+        servers, tasks = [], []
+        for app, lifespan in ((create_app(settings, service), "on"), (gateway, "off")):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
+            tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
+            servers.append((server, sock.getsockname()[1]))
+        while not all(server.started for server, _ in servers):
+            assert not any(task.done() for task in tasks), "a server failed to start"
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{servers[1][1]}"
+        try:
+            await streams(url, count=1, requests_each=80)
+            alone = str(control.policy.decide(Context(SERVED_MODEL, "code", "1")).arm)
+            await streams(url, count=16, requests_each=12)
+            busy = str(control.policy.decide(Context(SERVED_MODEL, "code", "16-31")).arm)
+        finally:
+            for server, _ in servers:
+                server.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return alone, busy
+
+    try:
+        alone, busy = asyncio.run(scenario())
+    finally:
+        gateway.aclose()
+        service.close()
+    assert (alone, busy) == ("ngram:4", "off"), control.policy.estimates()
