@@ -129,6 +129,10 @@ class RolloutFailed(RuntimeError):
         super().__init__("; ".join(f.describe() for f in failures))
         self.failures = tuple(failures)
 
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(f.pool for f in self.failures)
+
 
 class _CanaryError(Exception):
     def __init__(self, stage: Literal["canary", "slower"], reason: str) -> None:

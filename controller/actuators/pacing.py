@@ -8,7 +8,10 @@ Kubernetes, an orchestrator watching files), ``Paced`` wraps the actuator and ha
 pool over at most once per ``min_interval_s``: a change that comes too early is held
 and pushed when the interval has passed (by a timer, and at any later ``apply``), and
 the newest wish replaces an older held one, so a flap inside the interval pushes
-nothing at all. Re-handing the config a pool already got is not a new push.
+nothing at all. Re-handing the config a pool already got is not a new push; re-handing
+one whose push failed is a retry, held like any other push until the interval passed.
+A failure names its pools with a ``pools`` attribute (``RolloutFailed`` does); an
+error without one counts against every pool of that push.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Paced:
         """What each pool was last handed; compared by its ``config`` only (which buckets
         chose it does not change what vLLM runs)."""
         self._pushed_at: dict[str, float] = {}
+        self._failed: set[str] = set()
         self._held: dict[str, PoolConfig] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -71,7 +75,11 @@ class Paced:
     async def apply(self, configs: Sequence[PoolConfig]) -> None:
         for config in configs:
             pushed = self._pushed.get(config.pool)
-            if pushed is not None and pushed.config == config.config:
+            if (
+                pushed is not None
+                and pushed.config == config.config
+                and config.pool not in self._failed
+            ):
                 self._held.pop(config.pool, None)  # back to what runs: the flap cancels out
             else:
                 self._held[config.pool] = config
@@ -84,9 +92,23 @@ class Paced:
             # An attempt counts, even a failed one: retrying a config vLLM refuses is a
             # restart too.
             self._pushed[config.pool], self._pushed_at[config.pool] = config, self.clock()
-        self._schedule()
-        if due:
-            await self.inner.apply(due)
+        try:
+            if due:
+                await self.inner.apply(due)
+        except Exception as exc:
+            named = getattr(exc, "pools", None)
+            failed = set(named) if named is not None else {c.pool for c in due}
+            self._failed = (self._failed - {c.pool for c in due}) | failed
+            for config in due:
+                # Retried by the timer once the interval has passed, unless a newer
+                # wish for the pool arrived meanwhile.
+                if config.pool in failed:
+                    self._held.setdefault(config.pool, config)
+            raise
+        else:
+            self._failed -= {c.pool for c in due}
+        finally:
+            self._schedule()
 
     def _schedule(self) -> None:
         if self._timer is not None:

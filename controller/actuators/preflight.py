@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from typing import Any
 
 from controller.fleet import PoolConfig
 from controller.specconfig import SpecConfigError, check_vllm_schema
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
@@ -116,14 +119,17 @@ class Preflight:
     """Checks a pool's config before it is pushed.
 
     ``target_models`` maps a pool to its target checkpoint (a directory or a Hugging
-    Face id in the local cache). A draft-model config for a pool whose target or draft
-    files cannot be read here is refused unless ``allow_unverified_drafts``: pushing a
-    draft nobody compared is how acceptance silently collapses.
+    Face id in the local cache). For such a pool a draft-model config is compared with
+    it, and refused when the draft's or the target's files cannot be read here unless
+    ``allow_unverified_drafts``: pushing a draft nobody compared is how acceptance
+    silently collapses. A pool with no target named (the checkpoints live elsewhere,
+    e.g. behind an orchestrator) gets the schema check only, and a warning once.
     """
 
     target_models: Mapping[str, str] = field(default_factory=dict)
     allow_unverified_drafts: bool = False
     hf_home: Path | None = None
+    _warned: set[str] = field(default_factory=set, repr=False)
 
     def check(self, pool_config: PoolConfig) -> None:
         config = pool_config.config
@@ -141,13 +147,19 @@ class Preflight:
 
     def _check_draft(self, pool: str, draft: str) -> None:
         target = self.target_models.get(pool)
-        target_dir = local_model_dir(target, self.hf_home) if target else None
+        if target is None:
+            if pool not in self._warned:
+                self._warned.add(pool)
+                log.warning(
+                    "pool %s: no target checkpoint configured; draft tokenizers unchecked", pool
+                )
+            return
+        target_dir = local_model_dir(target, self.hf_home)
         draft_dir = local_model_dir(draft, self.hf_home)
         if target_dir is None or draft_dir is None:
             if self.allow_unverified_drafts:
                 return
-            missing = "target" if target_dir is None else "draft"
-            name = target if missing == "target" else draft
+            missing, name = ("target", target) if target_dir is None else ("draft", draft)
             raise PreflightError(
                 f"pool {pool!r}: cannot compare the draft's tokenizer with the target's: "
                 f"the {missing} checkpoint {name!r} is not readable here"

@@ -137,7 +137,7 @@ def test_slowdown_is_not_judged_when_comparison_is_off() -> None:
 
 def test_in_place_stops_first_and_restores_the_old_config_on_failure() -> None:
     launcher = FakeLauncher(FakeClock(), behaviour={"draft_model": {"status": 500}})
-    actuator, _ = make(launcher, mode="in_place")
+    actuator, _ = make(launcher, mode="in_place", preflight=Preflight({"p": "/target"}))
     apply(actuator, NGRAM)
     launcher.events.clear()
 

@@ -72,12 +72,14 @@ def test_a_differing_file_is_refused_by_name(tmp_path: Path, change: object, nam
         Preflight({"chat": str(target)}).check(draft(tmp_path / "draft"))
 
 
-def test_a_draft_nobody_can_compare_is_refused_unless_allowed(tmp_path: Path) -> None:
+def test_a_draft_that_cannot_be_compared_is_refused_unless_allowed(tmp_path: Path) -> None:
     target = make_checkpoint(tmp_path / "target")
     with pytest.raises(PreflightError, match="draft checkpoint 'org/absent' is not readable"):
         Preflight({"chat": str(target)}).check(draft(Path("org/absent")))
-    with pytest.raises(PreflightError, match="the target checkpoint"):
-        Preflight({}).check(draft(target))
+    with pytest.raises(PreflightError, match="the target checkpoint '/no/such/dir'"):
+        Preflight({"chat": "/no/such/dir"}).check(draft(target))
+    # No target named for the pool: its checkpoints live elsewhere; schema only.
+    Preflight({}).check(draft(Path("org/absent")))
     Preflight({"chat": str(target)}, allow_unverified_drafts=True).check(draft(Path("org/absent")))
 
 
