@@ -53,7 +53,10 @@ class Harness:
             self.launcher,
             # The tiny draft on a 2-core CPU is slower than n-gram; only a gross
             # slowdown (5x) is refused here, so the comparison runs without deciding.
-            settings=ManagedSettings(canary=CanarySettings(max_slowdown=4.0)),
+            # Starts take minutes when other vLLM servers share this machine's cores.
+            settings=ManagedSettings(
+                start_timeout_s=900.0, canary=CanarySettings(max_slowdown=4.0)
+            ),
             preflight=Preflight({POOL: str(models.target)}),
             on_switch=lambda pool, urls: self.switches.append((pool, urls)),
         )
