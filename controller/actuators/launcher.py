@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -28,27 +27,11 @@ import httpx
 
 from controller.actuators.k8s import with_speculative_config
 from controller.actuators.managed import Instance, SpecConfig
+from testbed.server import free_port, process_group_alive
 
 
 class LaunchError(RuntimeError):
     """vLLM exited or did not become healthy; the message ends with its log's tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -77,7 +60,7 @@ class ProcessInstance:
                 if self.process.returncode is None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.process.wait(), 0.1)
-                if not _group_alive(pgid):
+                if not process_group_alive(pgid):
                     return
                 await asyncio.sleep(0.1)
 
@@ -100,7 +83,7 @@ class CommandLauncher:
         return [*argv, "--host", self.host, "--port", str(port)]
 
     async def launch(self, pool: str, config: SpecConfig, timeout_s: float) -> Instance:
-        port = free_port(self.host)
+        port = free_port()
         log_dir = self.log_dir or Path(tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"specpilot-{pool}-{port}.log"
