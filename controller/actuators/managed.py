@@ -106,13 +106,16 @@ class ManagedSettings:
     canary: CanarySettings = field(default_factory=CanarySettings)
 
 
+Stage = Literal["preflight", "start", "canary", "slower", "rollback"]
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutFailure:
     """A pool that did not move to its new config; ``serving`` says what serves it now."""
 
     pool: str
     config: SpecConfig
-    stage: Literal["preflight", "start", "canary", "slower", "rollback"]
+    stage: Stage
     reason: str
     serving: SpecConfig
     still_serving: bool
@@ -132,6 +135,14 @@ class RolloutFailed(RuntimeError):
     @property
     def pools(self) -> tuple[str, ...]:
         return tuple(f.pool for f in self.failures)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """Why a new instance was not taken (it is stopped by then)."""
+
+    stage: Stage
+    reason: str
 
 
 class _CanaryError(Exception):
@@ -210,8 +221,8 @@ class ManagedActuator:
     async def apply(self, configs: Sequence[PoolConfig]) -> None:
         """Move every pool to its config; raise ``RolloutFailed`` naming the pools that
         stayed on (or went back to) their old config."""
-        results = await asyncio.gather(*(self._apply_one(c) for c in configs))
-        failures = [f for f in results if f is not None]
+        # One pool after the other: blue/green needs room for one extra instance only.
+        failures = [f for c in configs if (f := await self._apply_one(c)) is not None]
         if failures:
             raise RolloutFailed(failures)
 
@@ -229,7 +240,7 @@ class ManagedActuator:
                 return await self._replace_in_place(pool, config, current)
             return await self._blue_green(pool, config, current)
 
-    def _failure(self, pool: str, config: SpecConfig, stage: Any, reason: str) -> RolloutFailure:
+    def _failure(self, pool: str, config: SpecConfig, stage: Stage, reason: str) -> RolloutFailure:
         current = self._running.get(pool)
         failure = RolloutFailure(
             pool,
@@ -246,8 +257,8 @@ class ManagedActuator:
         self, pool: str, config: SpecConfig, current: _Running | None
     ) -> RolloutFailure | None:
         started = await self._start_proven(pool, config, current)
-        if isinstance(started, RolloutFailure):
-            return started
+        if isinstance(started, _Refused):
+            return self._failure(pool, config, started.stage, started.reason)
         self._running[pool] = _Running(started, config)
         await self._switch(pool)
         if current is not None:
@@ -264,13 +275,13 @@ class ManagedActuator:
         await self._drain(current.instance)
         await current.instance.stop()
         started = await self._start_proven(pool, config, None)
-        if not isinstance(started, RolloutFailure):
+        if not isinstance(started, _Refused):
             self._running[pool] = _Running(started, config)
             await self._switch(pool)
             return None
         # Roll back: the old config ran before, so start it again.
         restored = await self._start_proven(pool, current.config, None)
-        if isinstance(restored, RolloutFailure):
+        if isinstance(restored, _Refused):
             return self._failure(
                 pool,
                 config,
@@ -283,17 +294,17 @@ class ManagedActuator:
 
     async def _start_proven(
         self, pool: str, config: SpecConfig, compare_with: _Running | None
-    ) -> Instance | RolloutFailure:
+    ) -> Instance | _Refused:
         """A new instance that started and passed the canary, or why not (stopped)."""
         try:
             instance = await self.launcher.launch(pool, config, self.settings.start_timeout_s)
         except Exception as exc:
-            return self._failure(pool, config, "start", _one_line(exc))
+            return _Refused("start", _one_line(exc))
         try:
             await self._canary(instance, compare_with.instance if compare_with else None)
         except _CanaryError as exc:
             await instance.stop()
-            return self._failure(pool, config, exc.stage, str(exc))
+            return _Refused(exc.stage, str(exc))
         except BaseException:
             await instance.stop()  # cancelled mid-canary: never leave an orphan
             raise
