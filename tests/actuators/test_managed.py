@@ -187,3 +187,23 @@ def test_aclose_stops_everything() -> None:
     actuator = started(launcher, NGRAM)
     asyncio.run(actuator.aclose())
     assert launcher.instances["i1"].stopped and actuator.urls("p") == ()
+
+
+def test_one_config_for_every_concurrency_carries_the_learned_gamma_table(tmp_path: Path) -> None:
+    """The fleet turns per-bucket choices into vLLM's batch-size table; the managed
+    actuator starts vLLM with exactly that config."""
+    from controller.contexts import ContextKey
+    from controller.fleet import Fleet
+    from tests.controller.conftest import make_settings
+
+    fleet = Fleet(make_settings(tmp_path))  # buckets 1-3 and 4+, max_num_seqs 256
+    arms = {ContextKey("m", "code", "1-3"): "ngram:4", ContextKey("m", "code", "4+"): "off"}
+    pool_config = fleet.pool_config("p", arms)
+    launcher = FakeLauncher(FakeClock())
+    actuator, _ = make(launcher)
+    asyncio.run(actuator.apply([pool_config]))
+    config = actuator.config("p")
+    assert config is not None
+    assert config["num_speculative_tokens"] == 4
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 256, 0]]
+    assert launcher.instances["i1"].config == config
