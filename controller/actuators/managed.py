@@ -24,8 +24,9 @@ When one config must serve every concurrency level, the pool's config already ca
 the learned γ-by-concurrency table as ``num_speculative_tokens_per_batch_size`` (built by
 ``controller.fleet.Fleet.pool_config``); this actuator starts vLLM with it as is.
 
-Wrap it in ``controller.actuators.pacing.Paced`` for a per-pool minimum interval between
-restarts (``build_managed`` does).
+Hand the loop ``Paced(managed, settings.policy.min_dwell_s)``
+(``controller.actuators.pacing``): one restart per pool per interval, whatever the
+decisions do.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from collectors.exposition import ExpositionError, parse_exposition
-from controller.actuators.pacing import Paced
 from controller.actuators.preflight import Preflight, PreflightError
 from controller.fleet import PoolConfig
 
@@ -390,17 +390,3 @@ def _one_line(error: BaseException) -> str:
     head = text[0] if text else type(error).__name__
     tail = text[-1] if len(text) > 1 else ""
     return f"{head} … {tail}" if tail else head
-
-
-def build_managed(
-    launcher: Launcher,
-    *,
-    min_restart_interval_s: float,
-    settings: ManagedSettings | None = None,
-    preflight: Preflight | None = None,
-    on_switch: TrafficSwitch | None = None,
-) -> tuple[ManagedActuator, Paced]:
-    """The managed actuator and the paced wrapper to hand to the loop (one restart per
-    pool per ``min_restart_interval_s``, e.g. ``settings.policy.min_dwell_s``)."""
-    managed = ManagedActuator(launcher, settings=settings, preflight=preflight, on_switch=on_switch)
-    return managed, Paced(managed, min_restart_interval_s)
