@@ -128,7 +128,7 @@ async def stream_until(
             results.append(await stream_once(client, urls[0], index))
             index += 1
             # vLLM engines here share one core: leave the starting server some of it.
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(1.5)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,11 @@ def test_config_vllm_dies_on_is_rolled_back_while_the_old_instance_serves(
     # vLLM 0.32 on CPU starts healthy with this, then its engine dies at the first request.
     ngram = harness.config("ngram:4")
     assert ngram is not None
-    synthetic = {**ngram, "rejection_sample_method": "synthetic"}
+    synthetic = {
+        **ngram,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.8, 0.6, 0.4, 0.2],
+    }
 
     async def push() -> None:
         await harness.actuator.apply([PoolConfig(POOL, synthetic, ())])

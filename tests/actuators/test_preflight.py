@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,12 @@ def test_schema_is_checked_by_the_one_validator() -> None:
     }
     with pytest.raises(PreflightError, match="overlap"):
         preflight.check(PoolConfig("chat", bad_table, ()))
+    synthetic: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 2}
+    synthetic["rejection_sample_method"] = "synthetic"
+    with pytest.raises(PreflightError, match="exactly one of synthetic_acceptance_rates"):
+        preflight.check(PoolConfig("chat", synthetic, ()))
+    synthetic["synthetic_acceptance_rates"] = [0.8, 0.5]
+    preflight.check(PoolConfig("chat", synthetic, ()))
     # EAGLE heads share the target's embedding: no tokenizer files to compare.
     preflight.check(
         PoolConfig("chat", {"method": "eagle", "model": "/x", "num_speculative_tokens": 2}, ())
