@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 from controller.actuators.managed import CanarySettings, ManagedActuator, ManagedSettings
-from controller.contexts import ContextKey
 from controller.service import build_service
 from tests.actuators.fakes import FakeClock, FakeLauncher
 from tests.controller.conftest import make_settings
@@ -32,8 +31,9 @@ def test_rolled_back_rollout_is_recorded_as_an_alert(tmp_path: Path) -> None:
             await service.loop.start()
             await service.loop.tick()  # first push: the pool's running config (off)
             assert managed.running() == {"p": None}
-            for bucket in ("1-3", "4+"):
-                policy.script[ContextKey("m", "code", bucket)] = "ngram:3"
+            for context in service.fleet.contexts:
+                if context.workload_class == "code":
+                    policy.script[context] = "ngram:3"
             await service.loop.tick()
 
         asyncio.run(scenario())

@@ -192,12 +192,15 @@ def test_aclose_stops_everything() -> None:
 def test_one_config_for_every_concurrency_carries_the_learned_gamma_table(tmp_path: Path) -> None:
     """The fleet turns per-bucket choices into vLLM's batch-size table; the managed
     actuator starts vLLM with exactly that config."""
-    from controller.contexts import ContextKey
     from controller.fleet import Fleet
     from tests.controller.conftest import make_settings
 
     fleet = Fleet(make_settings(tmp_path))  # buckets 1-3 and 4+, max_num_seqs 256
-    arms = {ContextKey("m", "code", "1-3"): "ngram:4", ContextKey("m", "code", "4+"): "off"}
+    arms = {
+        context: "ngram:4" if context.bucket == "1-3" else "off"
+        for context in fleet.contexts
+        if context.workload_class == "code"
+    }
     pool_config = fleet.pool_config("p", arms)
     launcher = FakeLauncher(FakeClock())
     actuator, _ = make(launcher)
