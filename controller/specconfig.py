@@ -63,6 +63,8 @@ VLLM_KEYS: frozenset[str] = frozenset(
         "disable_by_batch_size",
         "disable_padded_drafter_batch",
         "rejection_sample_method",
+        "synthetic_acceptance_rates",
+        "synthetic_acceptance_length",
         "speculative_token_tree",
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
@@ -71,6 +73,8 @@ VLLM_KEYS: frozenset[str] = frozenset(
         "enforce_eager",
     }
 )
+# Simulated acceptance for rejection_sample_method "synthetic" (vLLM wants exactly one).
+SYNTHETIC_KEYS: tuple[str, ...] = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
 # What an operator may pin: the arm. How a proposer is tuned comes from the fleet settings.
 PINNABLE_KEYS: frozenset[str] = frozenset({"method", "model", "num_speculative_tokens"})
 
@@ -147,6 +151,12 @@ def check_vllm_schema(config: Mapping[str, Any]) -> None:
             raise SpecConfigError(f"method {method!r} needs 'model' (the draft checkpoint)")
     if "num_speculative_tokens_per_batch_size" in config:
         _check_batch_ranges(config["num_speculative_tokens_per_batch_size"], gamma)
+    synthetic = [k for k in SYNTHETIC_KEYS if k in config]
+    if config.get("rejection_sample_method") == "synthetic" and len(synthetic) != 1:
+        raise SpecConfigError(
+            "rejection_sample_method 'synthetic' needs exactly one of "
+            + " or ".join(SYNTHETIC_KEYS)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from controller.actuators.preflight import Preflight
 from controller.fleet import PoolConfig
 
 
@@ -44,13 +45,16 @@ def render(config: PoolConfig) -> str:
 class FileActuator:
     name = "file"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, preflight: Preflight | None = None) -> None:
         self.directory = directory
+        self.preflight = preflight or Preflight()
 
     def path(self, pool: str) -> Path:
         return self.directory / f"{pool}.json"
 
     async def apply(self, configs: Sequence[PoolConfig]) -> None:
+        for config in configs:  # all refused before any file is written
+            self.preflight.check(config)
         await asyncio.to_thread(self._write, configs)
 
     def _write(self, configs: Sequence[PoolConfig]) -> None:
