@@ -14,6 +14,7 @@ from typing import Any
 BENCHMARKS: tuple[str, ...] = (
     "bench.policy",
     "bench.gateway",
+    "bench.loop",
     "bench.classifier",
     "bench.scale",
 )

@@ -6,7 +6,10 @@ prompt, as it does on real code-edit traffic; the prose prompts do not.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+import httpx
 
 from testbed.server import SERVED_MODEL
 
@@ -59,3 +62,25 @@ def chat_body(
     del body["prompt"]
     body["messages"] = [{"role": "user", "content": content}]
     return body
+
+
+async def run_streams(
+    base_url: str, count: int, requests_each: int, *, max_tokens: int = 48, seed: int = 0
+) -> int:
+    """``count`` closed-loop streams of ``requests_each`` code completions each, labelled
+    ``X-Workload-Class: code``; returns the completion tokens generated. Stream i sends
+    the same prompts in every run with the same ``seed``, so runs compare like for like."""
+
+    async def stream(index: int) -> int:
+        tokens = 0
+        async with httpx.AsyncClient(base_url=base_url, timeout=300.0) as client:
+            for i in range(requests_each):
+                body = completion_body(code_prompt(seed + index * 1000 + i), max_tokens)
+                response = await client.post(
+                    "/v1/completions", json=body, headers={"X-Workload-Class": "code"}
+                )
+                response.raise_for_status()
+                tokens += int(response.json()["usage"]["completion_tokens"])
+        return tokens
+
+    return sum(await asyncio.gather(*(stream(i) for i in range(count))))

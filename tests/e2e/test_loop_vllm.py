@@ -12,7 +12,6 @@ import asyncio
 import socket
 from pathlib import Path
 
-import httpx
 import pytest
 import uvicorn
 
@@ -23,7 +22,7 @@ from controller.service import build_service
 from controller.settings import Settings
 from controller.wiring import QueuedObservations, bandit_policy
 from testbed.server import SERVED_MODEL
-from testbed.traffic import code_prompt, completion_body
+from testbed.traffic import run_streams
 from tests.conftest import VllmServers
 
 pytestmark = pytest.mark.vllm
@@ -59,19 +58,6 @@ def settings_for(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
     )
 
 
-async def streams(url: str, count: int, requests_each: int) -> None:
-    async def stream(index: int) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=300.0) as client:
-            for i in range(requests_each):
-                body = completion_body(code_prompt(index * 1000 + i), 48)
-                response = await client.post(
-                    "/v1/completions", json=body, headers={"X-Workload-Class": "code"}
-                )
-                response.raise_for_status()
-
-    await asyncio.gather(*(stream(i) for i in range(count)))
-
-
 def test_loop_settles_on_ngram_alone_and_off_under_load(
     vllm_servers: VllmServers, tmp_path: Path
 ) -> None:
@@ -95,9 +81,9 @@ def test_loop_settles_on_ngram_alone_and_off_under_load(
             await asyncio.sleep(0.05)
         url = f"http://127.0.0.1:{servers[1][1]}"
         try:
-            await streams(url, count=1, requests_each=80)
+            await run_streams(url, count=1, requests_each=80)
             alone = str(control.policy.decide(Context(SERVED_MODEL, "code", "1")).arm)
-            await streams(url, count=16, requests_each=12)
+            await run_streams(url, count=16, requests_each=12)
             busy = str(control.policy.decide(Context(SERVED_MODEL, "code", "16-31")).arm)
         finally:
             for server, _ in servers:
