@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from controller.actuators.base import Actuator
-from controller.actuators.file import FileActuator
+from controller.actuators.configured import actuators_from
 from controller.fleet import Fleet
 from controller.loop import ControlLoop
 from controller.ports import ControlPolicy, ObservationSource
@@ -51,7 +51,7 @@ def build_service(
     clock: Callable[[], float] = time.time,
 ) -> Service:
     """Open the store (migrating it; ``StoreUnavailable`` if it cannot be reached) and
-    wire the loop. Actuators default to the file actuator in ``settings.actuator_dir``."""
+    wire the loop. Actuators default to what ``settings.actuators`` configures."""
     store = Store.open(settings.store_url)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = ServiceMetrics(registry)
@@ -67,7 +67,7 @@ def build_service(
         store=store,
         writer=writer,
         leadership=leadership if leadership is not None else leadership_for(settings.store_url),
-        actuators=actuators if actuators is not None else [FileActuator(settings.actuator_dir)],
+        actuators=actuators if actuators is not None else actuators_from(settings),
         metrics=metrics,
         journal=Journal(settings.data_dir / "journal.jsonl"),
         clock=clock,

@@ -13,7 +13,7 @@ import itertools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -197,9 +197,39 @@ class LeaderSettings(_Strict):
     """How often a follower tries to become leader and the leader checks its lock."""
 
 
+class WebhookSettings(_Strict):
+    """POST each changed pool's config here (JSON, ``Idempotency-Key`` header)."""
+
+    url: InstanceUrl
+    headers: dict[str, str] = Field(default_factory=dict)
+    attempts: int = Field(default=5, ge=1)
+    timeout_s: PositiveSeconds = 10.0
+
+
+class DeploymentSettings(_Strict):
+    namespace: str = "default"
+    deployment: str
+    container: str
+
+
+class KubernetesSettings(_Strict):
+    """Patch each pool's Deployment so its container runs the new ``--speculative-config``."""
+
+    deployments: dict[str, DeploymentSettings] = Field(min_length=1)
+    """Pool name → the Deployment that runs it."""
+    patch_type: Literal["json", "strategic-merge"] = "json"
+
+
 class ActuatorSettings(_Strict):
+    file: bool = True
+    """Write each pool's effective config to ``<file_dir>/<pool>.json`` (atomically)."""
     file_dir: Path | None = None
     """Where each pool's ``<pool>.json`` goes; None: ``<data_dir>/speculative-configs``."""
+    webhook: WebhookSettings | None = None
+    kubernetes: KubernetesSettings | None = None
+    target_models: dict[str, str] = Field(default_factory=dict)
+    """Pool → its target checkpoint (directory or HF id in the local cache): a draft
+    model is pushed to that pool only if its tokenizer and chat template match."""
 
 
 class Settings(BaseSettings):
