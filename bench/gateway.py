@@ -76,8 +76,11 @@ class ReplayUpstream:
         self.interval_s = interval_s
         self.requests = 0
         """Requests answered so far (tests check which upstream served)."""
+        self.connections = 0
+        """Connections accepted so far (tests check keep-alive reuse)."""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")

@@ -48,6 +48,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: ResponseHead | None = None
         self._complete = False
+        self._keep_alive = False
         self._error: BaseException | None = None
         self.closed = False
         self.received_any = False
@@ -85,6 +86,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head = ResponseHead(self._parser.get_status_code(), self._headers)
+        # Read here: once the message is complete the parser has reset for the next one.
+        self._keep_alive = self._parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
@@ -118,6 +121,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers = []
         self._head = None
         self._complete = False
+        self._keep_alive = False
         self.received_any = False
         self._transport.write(request)
 
@@ -149,12 +153,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return (
-            self._complete
-            and not self.closed
-            and self._error is None
-            and self._parser.should_keep_alive()
-        )
+        return self._complete and not self.closed and self._error is None and self._keep_alive
 
     def close(self) -> None:
         self.closed = True

@@ -83,9 +83,11 @@ def test_stream_is_what_the_upstream_sends_without_usage_and_is_observed(
     direct = stream_text(url, STREAM_BODY)
 
     assert replay.requests == 2
+    stream_text(gateway.base_url, STREAM_BODY)
+    assert replay.connections == 2, "the gateway reused its keep-alive connection"
     # The fixtures were recorded as two requests, so their ids differ; nothing else may.
     assert _ID.sub(b"", through) == _ID.sub(b"", direct)
-    (observation,) = gateway.wait_observations(1)
+    observation = gateway.wait_observations(2)[0]
     assert observation.workload_class == "code"
     assert (observation.pool, observation.arm, observation.concurrency) == ("ngram", "ngram:4", 1)
     # The figures of the recorded usage chunk, read off the stream the client never saw.
