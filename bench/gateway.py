@@ -45,6 +45,8 @@ from typing import Any
 
 import httpx
 
+from testbed.server import free_port
+
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32"
 RESULTS = Path(__file__).resolve().parent / "results"
 LEVELS = (1, 16, 64)
@@ -314,12 +316,6 @@ async def measure_level(
 
 
 # --- processes ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    from testbed.server import free_port as testbed_free_port
-
-    return testbed_free_port()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ without it they are skipped.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ import pytest
 import uvicorn
 
 from controller.settings import Settings
+from testbed.server import free_port
 from tests.conftest import required
 
 PG_HOST, PG_PORT, PG_DB = "127.0.0.1", 5432, "test"
@@ -105,12 +105,6 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'data' / 'specpilot.db'}"
     database: PgDatabase = request.getfixturevalue("pg")
     return database.url
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LiveServer:

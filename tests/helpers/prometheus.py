@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from testbed.server import free_port
 
 
 def prometheus_binary() -> str:
@@ -89,7 +90,7 @@ def running_prometheus(
         f"    metrics_path: {metrics_path}\n"
         f"    static_configs:\n      - targets: [{target_list}]\n"
     )
-    port = _free_port()
+    port = free_port()
     data_dir = work_dir / "data"
     log = (work_dir / "prometheus.log").open("wb")
     process = subprocess.Popen(
@@ -150,10 +151,3 @@ def _wait_ready(server: PrometheusServer, budget_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("prometheus did not become ready")
         time.sleep(0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
