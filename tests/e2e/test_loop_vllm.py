@@ -89,11 +89,11 @@ def test_loop_settles_on_ngram_alone_and_off_under_load(
             for server, _ in servers:
                 server.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
+            gateway.aclose()  # its upstream connections belong to this event loop
         return alone, busy
 
     try:
         alone, busy = asyncio.run(scenario())
     finally:
-        gateway.aclose()
         service.close()
     assert (alone, busy) == ("ngram:4", "off"), control.policy.estimates()
