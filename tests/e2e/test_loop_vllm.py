@@ -25,7 +25,9 @@ from testbed.server import SERVED_MODEL
 from testbed.traffic import run_streams
 from tests.conftest import VllmServers
 
-pytestmark = pytest.mark.vllm
+# Not yet reliable: it passed once and once came out inverted (off alone, n-gram under
+# load) — the bandit's cost model assumes one shared batch, routing mode has one per pool.
+pytestmark = [pytest.mark.vllm, pytest.mark.convergence]
 
 
 def settings_for(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
