@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policies.arms import ConcurrencyBuckets, Context
+from policies.bandit import WILDCARD
 
 __all__ = ["WILDCARD", "Context", "bucket_labels", "bucket_of", "bucket_range"]
-
-WILDCARD = "*"
 
 
 def bucket_labels(lower_edges: Sequence[int]) -> tuple[str, ...]:
