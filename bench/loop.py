@@ -85,7 +85,7 @@ async def play(url: str) -> tuple[float, list[dict[str, float]]]:
 
 
 async def play_through_specpilot(settings: Settings) -> tuple[float, list[dict[str, float]]]:
-    control = bandit_policy(settings)
+    control = bandit_policy(settings, topology="per_arm")
     # The policy learns from every request as it completes (the service's loop would hand
     # the same observations over once per interval).
     gateway, _ = routed_gateway(settings, control.policy, control.observe)

@@ -153,7 +153,7 @@ async def run_demo(args: Any) -> int:
     await sim.start()
     urls = {pool.name: sim.urls(pool.name) for pool in pools}
     settings = demo_settings(scenario, pools, urls, args)
-    control: BanditControlPolicy = bandit_policy(settings)
+    control: BanditControlPolicy = bandit_policy(settings, topology="per_arm")
     observations = QueuedObservations()
     try:
         service: Service = build_service(settings, control, observations, actuators=[])

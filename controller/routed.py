@@ -30,6 +30,9 @@ class PolicyRouting:
     ) -> None:
         if str(OFF) not in pool_by_arm:
             raise ValueError("routing mode needs a pool without speculation (the 'off' arm)")
+        if policy.config.topology != "per_arm":
+            # A shared-batch model would charge every pool for every other pool's load.
+            raise ValueError("routing mode needs a policy built with topology='per_arm'")
         self.policy = policy
         self.pool_by_arm = dict(pool_by_arm)
         self.default_model = default_model

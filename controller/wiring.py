@@ -22,6 +22,7 @@ from controller.ports import ArmChoice, ArmEstimate, Collected
 from controller.settings import Settings
 from policies.arms import Arm, ConcurrencyBuckets
 from policies.bandit import BanditConfig, SpecPilotPolicy
+from policies.fleet import Topology
 
 
 def fleet_arms(settings: Settings) -> tuple[Arm, ...]:
@@ -34,15 +35,20 @@ def fleet_arms(settings: Settings) -> tuple[Arm, ...]:
     return tuple(sorted(arms, key=str))
 
 
-def bandit_config(settings: Settings) -> BanditConfig:
-    """Buckets and dwell from the settings; ``policy.params`` may set any other field."""
-    known = {f.name for f in dataclasses.fields(BanditConfig)} - {"buckets", "dwell_s"}
+def bandit_config(settings: Settings, topology: Topology = "shared") -> BanditConfig:
+    """Buckets and dwell from the settings; ``policy.params`` may set any other field.
+
+    ``topology`` follows from how decisions reach the fleet, not from tuning: routing
+    mode (a pool per config) is ``per_arm``; one engine per model is ``shared``.
+    """
+    known = {f.name for f in dataclasses.fields(BanditConfig)} - {"buckets", "dwell_s", "topology"}
     unknown = sorted(set(settings.policy.params) - known)
     if unknown:
         raise ValueError(f"policy.params: unknown {unknown} (known: {sorted(known)})")
     return BanditConfig(
         buckets=ConcurrencyBuckets(tuple(settings.buckets)),
         dwell_s=settings.policy.min_dwell_s,
+        topology=topology,
         **settings.policy.params,
     )
 
@@ -121,12 +127,13 @@ def bandit_policy(
     *,
     clock: Callable[[], float] = time.time,
     rng: np.random.Generator | None = None,
+    topology: Topology = "shared",
 ) -> BanditControlPolicy:
     policy = SpecPilotPolicy(
         fleet_arms(settings),
         clock=clock,
         rng=rng if rng is not None else np.random.default_rng(),
-        config=bandit_config(settings),
+        config=bandit_config(settings, topology),
     )
     return BanditControlPolicy(policy)
 

@@ -62,7 +62,9 @@ from policies.fleet import (
     CostParams,
     FloatArray,
     TokensPerStep,
+    Topology,
     best_assignment,
+    engine_of,
     steady_goodput,
     steady_state,
     steady_state_draws,
@@ -115,6 +117,11 @@ class BanditConfig:
     min_evidence_requests: float = 8.0
     """Dwell and hysteresis only hold arms whose class × proposer acceptance rests on at
     least this many (discounted) requests."""
+    topology: Topology = "shared"
+    """``shared``: a model's arms share one batch (one engine serves every config, as in
+    the simulator's fast mode). ``per_arm``: each arm runs in its own engine (routing
+    mode: a pool per speculative config), so a request's step time depends only on the
+    requests in its own pool and streams split between pools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +211,8 @@ class SpecPilotPolicy:
         self._acceptance: dict[tuple[str, str, str], AcceptanceModel] = {}
         self._detectors: dict[tuple[str, str, str], ChangeDetector] = {}
         self._cost: dict[str, StepCostModel] = {}
-        self._trackers: dict[str, BatchTracker] = {}
+        self._trackers: dict[tuple[str, str], BatchTracker] = {}
+        """Per (model, engine): the batch composition the policy assigned."""
         self._token_shares: dict[str, dict[str, float]] = {}
         self._shares_at: dict[str, float] = {}
         self._bucket_concurrency: dict[tuple[str, str], float] = {}
@@ -269,7 +277,7 @@ class SpecPilotPolicy:
             arm = Arm.parse(observation.arm) if observation.arm else OFF
         except ValueError:
             return
-        tracker = self._tracker(model)
+        tracker = self._tracker(model, arm)
         tracker.remove(arm, now)
         self._learn_cost(model, arm, observation, tracker, now)
         self._learn_mix(model, cls, observation, now)
@@ -356,22 +364,24 @@ class SpecPilotPolicy:
         """Per proposer: whether one more sequence on its smallest γ slows the batch by
         at most ``probe_max_slowdown``. A proposer nobody else uses makes every sequence
         wait for its drafting, which at high load costs more than the probe can tell."""
-        tracker = self._tracker(model)
-        before = cost.step_time(*tracker.composition())
         out = {}
         for proposer in self.proposers:
             probe = Arm(proposer, min(self._gammas[proposer]))
+            tracker = self._tracker(model, probe)
+            if tracker.in_flight == 0:
+                out[proposer] = True  # nobody shares the probe's batch
+                continue
+            before = cost.step_time(*tracker.composition())
             after = cost.step_time(*tracker.composition(probe))
             out[proposer] = after <= before * (1.0 + self.config.probe_max_slowdown)
         return out
 
     def _serve(self, context: Context, arm: Arm, count: int) -> None:
-        tracker = self._tracker(context.model)
-        tracker.add(arm, self.clock())
+        self._tracker(context.model, arm).add(arm, self.clock())
         if arm.proposer is not None:
             self._last_served[(context.model, context.workload_class, arm.proposer)] = count
         key = (context.model, context.bucket)
-        concurrency = tracker.in_flight
+        concurrency = self._in_flight(context.model)
         previous = self._bucket_concurrency.get(key)
         self._bucket_concurrency[key] = (
             concurrency if previous is None else 0.98 * previous + 0.02 * concurrency
@@ -387,11 +397,16 @@ class SpecPilotPolicy:
             )
         return cost
 
-    def _tracker(self, model: str) -> BatchTracker:
-        tracker = self._trackers.get(model)
+    def _tracker(self, model: str, arm: Arm) -> BatchTracker:
+        """The batch a request of ``model`` on ``arm`` joins (see ``topology``)."""
+        key = (model, engine_of(arm, self.config.topology))
+        tracker = self._trackers.get(key)
         if tracker is None:
-            tracker = self._trackers[model] = BatchTracker(self._cost_model(model))
+            tracker = self._trackers[key] = BatchTracker(self._cost_model(model))
         return tracker
+
+    def _in_flight(self, model: str) -> int:
+        return sum(t.in_flight for (m, _), t in self._trackers.items() if m == model)
 
     def _learn_cost(
         self,
@@ -522,14 +537,17 @@ class SpecPilotPolicy:
             for cls in classes
             if (c := self._commitments.get(Context(model, cls, bucket))) is not None
         }
-        best = best_assignment(concurrency, shares, mean_tokens, self.arms, mean_cost, committed)
+        topology = self.config.topology
+        best = best_assignment(
+            concurrency, shares, mean_tokens, self.arms, mean_cost, committed, topology=topology
+        )
         guarded, unsafe = self._guard(concurrency, shares, best, drawn_e, worlds)
         # Exploration samples acceptance only. Sampling the cost model too would send
         # requests, at high load, to worlds where the knee is far above anything seen,
         # and every such request slows the whole batch; the cost model learns from
         # every request anyway, and the guard still uses its posterior draws.
         thompson = best_assignment(
-            concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded
+            concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded, topology=topology
         )
         probe_ok = self._cheap_probes(model, mean_cost)
         self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
@@ -537,9 +555,9 @@ class SpecPilotPolicy:
         # longer surely pays turns off now, whatever its dwell time.
         live = {cls: committed.get(cls, guarded[cls]) for cls in classes}
         _, unsafe_live = self._guard(concurrency, shares, live, drawn_e, worlds)
-        plan_gain = steady_goodput(concurrency, shares, mean_tokens, guarded, mean_cost) / max(
-            steady_goodput(concurrency, shares, mean_tokens, live, mean_cost), 1e-12
-        )
+        plan_gain = steady_goodput(
+            concurrency, shares, mean_tokens, guarded, mean_cost, topology
+        ) / max(steady_goodput(concurrency, shares, mean_tokens, live, mean_cost, topology), 1e-12)
         for cls in classes:
             self._commit(
                 Context(model, cls, bucket),
@@ -555,12 +573,12 @@ class SpecPilotPolicy:
                 now,
             )
         served = {c: self._commitments[Context(model, c, bucket)].arm for c in classes}
-        _, step = steady_state_draws(concurrency, shares, drawn_e, served, worlds)
-        _, plain = steady_state_draws(concurrency, shares, drawn_e, {}, worlds)
+        _, step = steady_state_draws(concurrency, shares, drawn_e, served, worlds, topology)
+        _, plain = steady_state_draws(concurrency, shares, drawn_e, {}, worlds, topology)
         for cls, arm in served.items():
             # Per-token speed-up of the class over everything off at this concurrency.
             tokens = drawn_e[(cls, arm)] if arm.proposer is not None else 1.0
-            values = tokens * plain / step
+            values = tokens * plain[cls] / step[cls]
             commitment = self._commitments[Context(model, cls, bucket)]
             commitment.speedup = float(np.mean(values))
             commitment.interval = (_quantile(values, 0.1), _quantile(values, 0.9))
@@ -577,12 +595,15 @@ class SpecPilotPolicy:
         the ``guard_quantile`` of its effect on goodput over posterior draws must be ≥ 1."""
         guarded = dict(assignment)
         unsafe: set[str] = set()
-        current, _ = steady_state_draws(concurrency, shares, drawn_e, guarded, worlds)
+        topology = self.config.topology
+        current, _ = steady_state_draws(concurrency, shares, drawn_e, guarded, worlds, topology)
         for cls in sorted(assignment):
             if guarded[cls].is_off:
                 continue
             without_cls = {**guarded, cls: OFF}
-            without, _ = steady_state_draws(concurrency, shares, drawn_e, without_cls, worlds)
+            without, _ = steady_state_draws(
+                concurrency, shares, drawn_e, without_cls, worlds, topology
+            )
             ratios = current / np.maximum(without, 1e-12)
             if _quantile(ratios, self.config.guard_quantile) < 1.0:
                 guarded = without_cls
@@ -644,10 +665,15 @@ class SpecPilotPolicy:
             self._commitments[context] = _Commitment(candidate, now, "best")
             return
         moved = {**live, cls: candidate}
-        new_goodput, new_step = steady_state(concurrency, shares, mean_tokens, moved, mean_cost)
-        old_goodput, old_step = steady_state(concurrency, shares, mean_tokens, live, mean_cost)
-        own_gain = (mean_tokens(cls, candidate) / new_step) / (
-            mean_tokens(cls, current.arm) / old_step
+        topology = self.config.topology
+        new_goodput, new_step = steady_state(
+            concurrency, shares, mean_tokens, moved, mean_cost, topology
+        )
+        old_goodput, old_step = steady_state(
+            concurrency, shares, mean_tokens, live, mean_cost, topology
+        )
+        own_gain = (mean_tokens(cls, candidate) / new_step[cls]) / (
+            mean_tokens(cls, current.arm) / old_step[cls]
         )
         if new_goodput >= old_goodput * margin or (
             own_gain >= margin and new_goodput >= old_goodput
@@ -754,10 +780,7 @@ class SpecPilotPolicy:
             "acceptance": [[list(k), m.to_state()] for k, m in sorted(self._acceptance.items())],
             "detectors": [[list(k), d.to_state()] for k, d in sorted(self._detectors.items())],
             "cost": {m: c.to_state() for m, c in sorted(self._cost.items())},
-            "in_flight": {
-                m: {str(a): c for a, c in t.counts.items() if c > 0}
-                for m, t in sorted(self._trackers.items())
-            },
+            "in_flight": self._in_flight_state(),
             "token_shares": {m: dict(s) for m, s in sorted(self._token_shares.items())},
             "shares_at": dict(self._shares_at),
             "bucket_concurrency": [
@@ -800,6 +823,15 @@ class SpecPilotPolicy:
             "change_events": [asdict(e) for e in self.change_events],
         }
 
+    def _in_flight_state(self) -> dict[str, dict[str, int]]:
+        """Requests in flight per model and arm, whatever engines they sit in."""
+        out: dict[str, dict[str, int]] = {}
+        for (model, _), tracker in sorted(self._trackers.items()):
+            for arm, count in tracker.counts.items():
+                if count > 0:
+                    out.setdefault(model, {})[str(arm)] = count
+        return out
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (the arms must be the same)."""
         if state.get("version") != 1:
@@ -822,9 +854,9 @@ class SpecPilotPolicy:
             cost.load_state(value)
         self._trackers = {}
         for model_name, counts in state["in_flight"].items():
-            tracker = self._tracker(model_name)
             for text, count in counts.items():
-                tracker.counts[Arm.parse(text)] = int(count)
+                arm = Arm.parse(text)
+                self._tracker(model_name, arm).counts[arm] = int(count)
         self._token_shares = {m: dict(s) for m, s in state["token_shares"].items()}
         self._shares_at = dict(state["shares_at"])
         self._bucket_concurrency = {(k[0], k[1]): v for k, v in state["bucket_concurrency"]}

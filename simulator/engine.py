@@ -250,6 +250,12 @@ class Engine:
                 del depths[arm.gamma]
         self._step_time = None
 
+    def next_finish_at(self) -> float:
+        """When the next request finishes if nothing joins (``inf`` when idle)."""
+        if not self._finish_heap:
+            return float("inf")
+        return self.now + (self._finish_heap[0][0] - self.steps_run) * self.step_time()
+
     def step_time(self) -> float:
         if self._step_time is None:
             depth = {p: max(c) for p, c in self._depths.items() if c}

@@ -5,17 +5,34 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from policies.arms import Arm, ConcurrencyBuckets, Context
 from policies.base import Clock, Policy
-from simulator.engine import Engine, Traffic
+from simulator.engine import Completion, Engine, SimRequest, Traffic
 from simulator.scenario import Scenario
+
+
+class Batching(Protocol):
+    """What ``simulate`` drives: one :class:`Engine`, or one per arm
+    (:class:`simulator.pools.PerArmEngines`)."""
+
+    now: float
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def add(self, request: SimRequest, arm: Arm, concurrency: int | None = None) -> None: ...
+
+    def advance(self, until: float) -> list[Completion]: ...
+
+    def emitted_tokens(self) -> int: ...
 
 
 class SimClock:
     """The simulated time line, readable by the policies as their injected clock."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Batching) -> None:
         self._engine = engine
 
     def __call__(self) -> float:
@@ -66,6 +83,7 @@ def simulate(
     buckets: ConcurrencyBuckets | None = None,
     progress: Callable[[float], None] | None = None,
     traffic: Traffic | None = None,
+    engine: Batching | None = None,
 ) -> RunResult:
     """Serve the scenario's traffic with one policy; deterministic for a given seed.
 
@@ -73,10 +91,12 @@ def simulate(
     i, and issues its next request as soon as the previous one finishes. A stream that
     becomes inactive finishes its request first. ``progress`` gets the fraction of
     simulated time done, now and then. Passing the same ``traffic`` to several runs of
-    one scenario saves drawing the requests again.
+    one scenario saves drawing the requests again. ``engine`` replaces the default
+    single batch (e.g. with one engine per arm, for routing mode).
     """
     buckets = buckets or ConcurrencyBuckets()
-    engine = Engine(scenario.cost, scenario.model.name, scenario.model.position_decay)
+    if engine is None:
+        engine = Engine(scenario.cost, scenario.model.name, scenario.model.position_decay)
     policy = make_policy(SimClock(engine))
     traffic = traffic or Traffic(scenario)
     max_streams = max(p.concurrency for p in scenario.phases)

@@ -65,7 +65,7 @@ def test_loop_settles_on_ngram_alone_and_off_under_load(
 ) -> None:
     ngram, off = vllm_servers.get("ngram:4"), vllm_servers.get("off")
     settings = settings_for(ngram.base_url, off.base_url, tmp_path / "data")
-    control = bandit_policy(settings)
+    control = bandit_policy(settings, topology="per_arm")
     queue = QueuedObservations()
     service = build_service(settings, control, queue, actuators=[])
     gateway, _ = routed_gateway(settings, control.policy, queue.put)

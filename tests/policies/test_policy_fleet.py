@@ -7,7 +7,13 @@ import pytest
 
 from policies.arms import OFF, Arm, ConcurrencyBuckets, Context
 from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, Truth
-from policies.fleet import CostParams, best_assignment, steady_goodput, steady_state
+from policies.fleet import (
+    CostParams,
+    best_assignment,
+    split_streams,
+    steady_goodput,
+    steady_state,
+)
 from policies.speedup import expected_tokens
 
 COST = CostParams(step_s=0.02, knee_tokens=48, draft_cost={"eagle3": 0.04, "ngram": 0.005})
@@ -36,8 +42,8 @@ def test_step_time_memory_then_compute_bound() -> None:
 
 
 def test_all_off_goodput_is_streams_over_step_time() -> None:
-    goodput, step = steady_state(8, SHARES, tokens, {}, COST)
-    assert step == pytest.approx(0.02)
+    goodput, steps = steady_state(8, SHARES, tokens, {}, COST)
+    assert steps == pytest.approx(dict.fromkeys(SHARES, 0.02))
     assert goodput == pytest.approx(8 / 0.02)
 
 
@@ -104,3 +110,56 @@ def test_epsilon_greedy_explores_about_epsilon() -> None:
     # Greedy with no data is off; random picks land on off 1/len(ARMS) of the time.
     not_off = sum(arm != OFF for arm in picks) / len(picks)
     assert not_off == pytest.approx(0.2 * (1 - 1 / len(ARMS)), abs=0.03)
+
+
+# -- one engine per arm (routing mode) -------------------------------------------------
+
+
+@pytest.mark.parametrize("concurrency", [1, 6, 40, 300])
+def test_per_arm_split_satisfies_its_equations(concurrency: int) -> None:
+    """Streams per engine n_e = λ W_e step_e sum to the concurrency, and every engine's
+    step is what its own n_e streams cost."""
+    slots = np.array([[100.0, 40.0, 5.0]])
+    per_stream = np.array([[1.0, 4.0, 6.0]])
+    drafting = np.array([[0.0, 0.002, 0.004]])
+    step_s, knee = np.array([[0.02]]), np.array([[48.0]])
+    lam, steps = split_streams(concurrency, slots, slots * per_stream, drafting, step_s, knee)
+    held = lam[:, None] * slots * steps
+    assert held.sum() == pytest.approx(concurrency, rel=1e-9)
+    expected = 0.02 * np.maximum(1.0, held * per_stream / 48.0) + np.maximum(drafting, 2e-11)
+    assert steps == pytest.approx(expected, rel=1e-9)
+
+
+def test_per_arm_with_one_arm_in_use_is_the_shared_batch() -> None:
+    everyone = dict.fromkeys(SHARES, Arm("eagle3", 3))
+    for concurrency in (1, 30, 200):
+        shared = steady_state(concurrency, SHARES, tokens, everyone, COST)
+        split = steady_state(concurrency, SHARES, tokens, everyone, COST, "per_arm")
+        assert split[0] == pytest.approx(shared[0])
+        assert split[1] == pytest.approx(shared[1])
+
+
+def test_per_arm_engines_do_not_pay_for_each_other() -> None:
+    """Off and n-gram in separate pools: the off pool's steps carry no drafting, and at
+    high load the separate pools beat one batch that must draft for everyone."""
+    assignment = {"code": Arm("ngram", 5), "chat": OFF, "prose": OFF}
+    _, shared_steps = steady_state(4, SHARES, tokens, assignment, COST)
+    _, split_steps = steady_state(4, SHARES, tokens, assignment, COST, "per_arm")
+    assert split_steps["chat"] == pytest.approx(0.02)
+    assert shared_steps["chat"] > split_steps["chat"]
+    assert steady_goodput(200, SHARES, tokens, assignment, COST, "per_arm") > steady_goodput(
+        200, SHARES, tokens, assignment, COST
+    )
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16, 48, 96])
+def test_per_arm_coordinate_ascent_finds_the_exhaustive_optimum(concurrency: int) -> None:
+    classes = sorted(SHARES)
+    best_value = max(
+        steady_goodput(
+            concurrency, SHARES, tokens, dict(zip(classes, combo, strict=True)), COST, "per_arm"
+        )
+        for combo in itertools.product(ARMS, repeat=len(classes))
+    )
+    found = best_assignment(concurrency, SHARES, tokens, ARMS, COST, topology="per_arm")
+    assert steady_goodput(concurrency, SHARES, tokens, found, COST, "per_arm") >= 0.99 * best_value
