@@ -1,11 +1,14 @@
 """``specpilot bench loop``: specpilot's routing vs. each static pool, on real vLLM.
 
-Two real vLLM-CPU pools from the testbed, n-gram γ=4 and off, serve the same mixed
-traffic three times: straight to the n-gram pool, straight to the off pool, and through
-specpilot's gateway routing by the bandit's choice (a fresh policy: its learning and
-exploration are part of the bill). The traffic has phases, as production does: one
-stream of self-repeating code prompts, then sixteen concurrent streams, then one again.
-Goodput is completion tokens per wall-clock second over the whole run.
+Two real vLLM-CPU pools from the testbed, n-gram γ=4 and off, both with the testbed's
+compute knee (``testbed.server.KNEE_TOKENS``), serve the same traffic three ways:
+straight to the n-gram pool, straight to the off pool, and through specpilot's gateway
+routing by the bandit's choice (a fresh policy: its learning and exploration are part
+of the bill, and the gateway shares the load generator's process). The traffic has
+phases, as production does: one stream of self-repeating code prompts, then sixteen
+concurrent streams, then one again. The three targets take turns within each phase
+(see ``HALVES``). Goodput is completion tokens per wall-clock second of each target's
+own turns.
 
 JSON: ``{"pools": {name: goodput}, "specpilot": goodput,
 "ratios": {"vs_best_static_pool": …}, "phases": …}``.
@@ -30,7 +33,7 @@ from controller.routed import routed_gateway
 from controller.settings import Settings
 from controller.wiring import bandit_policy
 from testbed.environment import ModelSet, VllmEnvironment
-from testbed.server import SERVED_MODEL, VllmServer, parse_spec
+from testbed.server import KNEE_TOKENS, SERVED_MODEL, VllmServer, parse_spec
 from testbed.traffic import run_streams
 
 RESULT = Path("bench/results/loop.json")
@@ -42,7 +45,12 @@ class Phase:
     requests_each: int
 
 
-PHASES = (Phase(1, 40), Phase(16, 8), Phase(1, 40))
+PHASES = (Phase(1, 60), Phase(16, 12), Phase(1, 60))
+"""Quiet, busy, quiet: n-gram wins the quiet phases, off the busy one (with the knee)."""
+
+HALVES = 2
+"""Each phase runs in this many slices; targets take turns in each (n-gram, off,
+specpilot, then the reverse), so a shared machine's background load falls on all alike."""
 
 
 def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
@@ -72,19 +80,36 @@ def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
     )  # fmt: skip
 
 
-async def play(url: str) -> tuple[float, list[dict[str, float]]]:
-    """Run every phase against ``url``; overall goodput and per-phase figures."""
-    tokens_total, seconds_total, phases = 0, 0.0, []
+async def play(urls: dict[str, str]) -> dict[str, tuple[float, list[dict[str, float]]]]:
+    """Run every phase against every target, interleaved; goodput overall and per phase."""
+    tokens = {name: [0] * len(PHASES) for name in urls}
+    seconds = {name: [0.0] * len(PHASES) for name in urls}
     for index, phase in enumerate(PHASES):
-        started = time.perf_counter()
-        tokens = await run_streams(url, phase.streams, phase.requests_each, seed=index * 100)
-        seconds = time.perf_counter() - started
-        tokens_total, seconds_total = tokens_total + tokens, seconds_total + seconds
-        phases.append({"streams": phase.streams, "goodput": tokens / seconds})
-    return tokens_total / seconds_total, phases
+        each = phase.requests_each // HALVES
+        for half in range(HALVES):
+            order = list(urls) if (index * HALVES + half) % 2 == 0 else list(urls)[::-1]
+            for name in order:
+                started = time.perf_counter()
+                tokens[name][index] += await run_streams(
+                    urls[name], phase.streams, each, seed=index * 100 + half * 10
+                )
+                seconds[name][index] += time.perf_counter() - started
+    return {
+        name: (
+            sum(tokens[name]) / sum(seconds[name]),
+            [
+                {"streams": p.streams, "goodput": t / s}
+                for p, t, s in zip(PHASES, tokens[name], seconds[name], strict=True)
+            ],
+        )
+        for name in urls
+    }
 
 
-async def play_through_specpilot(settings: Settings) -> tuple[float, list[dict[str, float]]]:
+async def play_with_specpilot(
+    settings: Settings, pools: dict[str, str]
+) -> dict[str, tuple[float, list[dict[str, float]]]]:
+    """Serve specpilot's gateway (routing by a fresh bandit) next to the pools, and play."""
     control = bandit_policy(settings, topology="per_arm")
     # The policy learns from every request as it completes (the service's loop would hand
     # the same observations over once per interval).
@@ -100,7 +125,7 @@ async def play_through_specpilot(settings: Settings) -> tuple[float, list[dict[s
             if task.done():
                 task.result()
             await asyncio.sleep(0.05)
-        return await play(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        return await play({**pools, "specpilot": f"http://127.0.0.1:{sock.getsockname()[1]}"})
     finally:
         server.should_exit = True
         await asyncio.gather(task, return_exceptions=True)
@@ -111,26 +136,28 @@ def run_benchmark() -> dict[str, Any]:
     env, models = VllmEnvironment.default().ensure(), ModelSet.default()
     models.ensure(env)
     with (
-        VllmServer(env, models, parse_spec("ngram:4", models)) as ngram,
-        VllmServer(env, models, parse_spec("off", models)) as off,
+        VllmServer(env, models, parse_spec("ngram:4", models), batch_tokens=KNEE_TOKENS) as ngram,
+        VllmServer(env, models, parse_spec("off", models), batch_tokens=KNEE_TOKENS) as off,
         tempfile.TemporaryDirectory() as data_dir,
     ):
         settings = pool_settings(ngram.base_url, off.base_url, Path(data_dir))
         # Warm both servers so the first measured run does not pay their first requests.
         asyncio.run(run_streams(ngram.base_url, 2, 2, seed=10_000))
         asyncio.run(run_streams(off.base_url, 2, 2, seed=10_000))
-        pools, phases = {}, {}
-        for name, server in (("ngram", ngram), ("off", off)):
-            pools[name], phases[name] = asyncio.run(play(server.base_url))
-        specpilot, phases["specpilot"] = asyncio.run(play_through_specpilot(settings))
+        played = asyncio.run(
+            play_with_specpilot(settings, {"ngram": ngram.base_url, "off": off.base_url})
+        )
+    pools = {name: played[name][0] for name in ("ngram", "off")}
     best = max(pools, key=lambda name: pools[name])
+    specpilot = played["specpilot"][0]
     return {
         "pools": pools,
         "specpilot": specpilot,
         "best_static_pool": best,
         "ratios": {"vs_best_static_pool": specpilot / pools[best]},
-        "phases": phases,
+        "phases": {name: phases for name, (_, phases) in played.items()},
         "workload": [{"streams": p.streams, "requests_each": p.requests_each} for p in PHASES],
+        "batch_tokens": KNEE_TOKENS,
     }
 
 

@@ -34,6 +34,18 @@ def register(subparsers: Any) -> None:
     methods.add_argument("--only", nargs="*", default=(), help="methods to try (default: all)")
     methods.set_defaults(func=_methods)
 
+    knee = sub.add_parser(
+        "knee", help="off vs n-gram at 1 and 16 streams, per per-step token budget"
+    )
+    knee.add_argument(
+        "--batch-tokens",
+        nargs="*",
+        default=["default", "16"],
+        help="budgets to try ('default' = vLLM's own; default: default 16)",
+    )
+    knee.add_argument("--json", action="store_true", help="print the points as JSON")
+    knee.set_defaults(func=_knee)
+
 
 def ensure_all() -> tuple[VllmEnvironment, ModelSet]:
     env = VllmEnvironment.default().ensure()
@@ -83,4 +95,15 @@ def _methods(args: argparse.Namespace) -> int:
         print(f"{o.method:12s} {result}")
     if args.json_out:
         args.json_out.write_text(outcomes_json(outcomes) + "\n")
+    return 0
+
+
+def _knee(args: argparse.Namespace) -> int:
+    from testbed.knee import as_json, measure, report
+
+    env, models = ensure_all()
+    points = []
+    for budget in args.batch_tokens:
+        points += measure(env, models, None if budget == "default" else int(budget))
+    print(as_json(points) if args.json else report(points))
     return 0

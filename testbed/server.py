@@ -73,8 +73,27 @@ def parse_spec(spec: str, models: ModelSet) -> dict[str, Any] | None:
     raise ValueError(f"bad speculative spec {spec!r}: use off, ngram:K or draft:NOISE:K")
 
 
+KNEE_TOKENS = 16
+"""A per-step token budget that gives the testbed a GPU's compute knee.
+
+On a GPU a decode step costs about the same until the batch verifies more positions
+than the compute units hide (the knee); past it, every verified position costs, and
+speculation's rejected positions are paid by everyone. The tiny model on this CPU is
+bound by per-step overhead instead: measured on this machine (48-token code
+completions, `/tmp`-free probe in docs/testbed.md), n-gram γ=4 won 1.84× at one stream
+and still 1.33× at sixteen. With ``--max-num-batched-tokens 16`` a step verifies at
+most 16 positions, as a knee would: n-gram won 1.36× at one stream and lost 0.83× at
+sixteen (the seeds' shape). Servers for load-dependent tests and ``bench loop`` pass
+``batch_tokens=KNEE_TOKENS``.
+"""
+
+
 class VllmServer:
-    """One real vLLM OpenAI-compatible server; use as a context manager."""
+    """One real vLLM OpenAI-compatible server; use as a context manager.
+
+    ``batch_tokens`` caps the tokens one step schedules (prefill chunks included) and
+    the sequences per step alike; see :data:`KNEE_TOKENS`.
+    """
 
     def __init__(
         self,
@@ -86,6 +105,7 @@ class VllmServer:
         max_model_len: int = 1024,
         kv_cache_gib: int = 1,
         compile_model: bool = False,
+        batch_tokens: int | None = None,
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
     ) -> None:
@@ -98,6 +118,7 @@ class VllmServer:
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.compile_model = compile_model
+        self.batch_tokens = batch_tokens
         self.extra_args = extra_args
         self.log_path = log_path or Path(
             tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")[1]
@@ -147,6 +168,10 @@ class VllmServer:
             # torch.compile's warm-up doubles the start time (~50 s → ~110 s here) and
             # buys the tiny model nothing measurable.
             cmd.append("-O0")
+        if self.batch_tokens is not None:
+            # vLLM wants at least as many batched tokens as sequences per step.
+            budget = str(self.batch_tokens)
+            cmd += ["--max-num-batched-tokens", budget, "--max-num-seqs", budget]
         return [*cmd, *self.extra_args]
 
     def start(self, timeout_s: float = 300.0) -> VllmServer:

@@ -38,17 +38,22 @@ class VllmServers:
 
     def __init__(self, env: VllmEnvironment, models: ModelSet, limit: int = 3) -> None:
         self.env, self.models, self.limit = env, models, limit
-        self._servers: OrderedDict[str, VllmServer] = OrderedDict()
+        self._servers: OrderedDict[tuple[str, int | None], VllmServer] = OrderedDict()
 
-    def get(self, spec: str) -> VllmServer:
-        if spec in self._servers:
-            self._servers.move_to_end(spec)
-            return self._servers[spec]
+    def get(self, spec: str, *, batch_tokens: int | None = None) -> VllmServer:
+        """A running server for ``spec`` (see ``testbed.server.parse_spec``);
+        ``batch_tokens`` gives it a compute knee (``testbed.server.KNEE_TOKENS``)."""
+        key = (spec, batch_tokens)
+        if key in self._servers:
+            self._servers.move_to_end(key)
+            return self._servers[key]
         while len(self._servers) >= self.limit:
             _, oldest = self._servers.popitem(last=False)
             oldest.stop()
-        server = VllmServer(self.env, self.models, parse_spec(spec, self.models)).start()
-        self._servers[spec] = server
+        server = VllmServer(
+            self.env, self.models, parse_spec(spec, self.models), batch_tokens=batch_tokens
+        ).start()
+        self._servers[key] = server
         return server
 
     def stop_all(self) -> None:
