@@ -71,6 +71,9 @@ class RequestObservation:
     """Requests in flight to the same pool when this one started (itself included)."""
     finished_at: float | None = None
     """Seconds on the injected clock (wall clock in the service)."""
+    e2e_s: float | None = None
+    """Seconds from a gateway receiving the request to relaying its end: what the client
+    waited, queueing and prefill included. None unless a gateway measured it."""
 
     @property
     def tpot_s(self) -> float | None:

@@ -418,14 +418,23 @@ class SpecPilotPolicy:
     ) -> None:
         spec = observation.spec
         steps = spec.num_drafts if arm.proposer is not None and spec else observation.output_tokens
-        generation = observation.generation_time_s
-        if not steps or steps < 2 or generation is None or generation <= 0:
+        if not steps or steps < 2:
+            return
+        # A gateway's end-to-end time is what the client paid, queueing and prefill
+        # included (where an engine is past its capacity, waiting is the cost); vLLM's
+        # own decode time per step is the fallback.
+        if observation.e2e_s is not None and observation.e2e_s > 0:
+            duration, per_step = observation.e2e_s, observation.e2e_s / steps
+        elif observation.generation_time_s is not None and observation.generation_time_s > 0:
+            duration = observation.generation_time_s
+            per_step = duration / (steps - 1)
+        else:
             return
         end = observation.finished_at if observation.finished_at is not None else now
-        rows = tracker.mean_rows(end - generation, end)
+        rows = tracker.mean_rows(end - duration, end)
         if rows is None:
             return
-        self._cost_model(model).update(rows, generation / (steps - 1), now)
+        self._cost_model(model).update(rows, per_step, now)
 
     def _learn_mix(self, model: str, cls: str, observation: RequestObservation, now: float) -> None:
         shares = self._token_shares.setdefault(model, {})

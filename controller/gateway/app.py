@@ -191,6 +191,7 @@ class Gateway:
         await _send_unavailable(send)
 
     async def _inference(self, scope: Scope, raw_body: bytes, send: Send) -> None:
+        started = self._wall_clock()
         try:
             body = json.loads(raw_body)
         except ValueError:
@@ -244,7 +245,7 @@ class Gateway:
                 finally:
                     fleet.release(pool, instance, ok=ok)
                 if self.sink is not None and head.status == 200:
-                    self._observe(document, model, workload_class, pool, concurrency)
+                    self._observe(document, model, workload_class, pool, concurrency, started)
                 return
             await _send_unavailable(send)
         finally:
@@ -309,6 +310,7 @@ class Gateway:
         workload_class: str,
         pool: Pool,
         concurrency: int,
+        started: float,
     ) -> None:
         assert self.sink is not None
         try:
@@ -323,7 +325,8 @@ class Gateway:
                 pool=pool.name,
                 arm=pool.arm,
                 concurrency=concurrency,
-                finished_at=self._wall_clock(),
+                finished_at=(finished := self._wall_clock()),
+                e2e_s=finished - started,
             )
             self.sink(observation)
         except Exception:
