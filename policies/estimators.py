@@ -249,6 +249,9 @@ class ChangeDetector:
 # posterior over this grid, the rest of the cost model by linear regression given it.
 KNEE_GRID: tuple[float, ...] = tuple(float(x) for x in np.geomspace(8, 2048, 25))
 
+# Ratio between neighbouring knees of the grid: how precisely a knee can be known.
+KNEE_CELL = KNEE_GRID[1] / KNEE_GRID[0]
+
 
 class StepCostModel:
     """Posterior over an engine's step-time model (see :mod:`policies.fleet`).
