@@ -75,9 +75,7 @@ def test_change_detector_judges_a_big_shift_from_a_handful_of_probes() -> None:
     detector = ChangeDetector()
     for x in rng.beta(13, 7, 5):
         assert not detector.update(float(x))
-    fired_after = next(
-        i for i, x in enumerate(rng.beta(1, 15, 20)) if detector.update(float(x))
-    )
+    fired_after = next(i for i, x in enumerate(rng.beta(1, 15, 20)) if detector.update(float(x)))
     assert fired_after < 6
 
 
