@@ -349,7 +349,7 @@ class SpecPilotPolicy:
                 continue
             last = self._last_served.get((context.model, context.workload_class, proposer), 0)
             if count - last >= self.config.probe_every and (
-                plan is None or plan.probe_ok.get(proposer, True)
+                plan is not None and plan.probe_ok.get(proposer, False)
             ):
                 return Arm(proposer, min(self._gammas[proposer])), "probe"
         return None
