@@ -124,10 +124,10 @@ def _drift_report(
 
 
 def _run_group(
-    scenario: Scenario, names: list[str], seed: int
+    scenario: Scenario, names: list[str], seed: int, traffic: Traffic | None = None
 ) -> dict[str, tuple[RunResult, list[ChangeEvent]]]:
     """Run some entrants in this process, sharing one traffic draw."""
-    traffic = Traffic(scenario)
+    traffic = traffic or Traffic(scenario)
     by_name = {e.name: e for e in entrants(scenario, seed)}
     out: dict[str, tuple[RunResult, list[ChangeEvent]]] = {}
     for name in names:
@@ -141,6 +141,20 @@ def _run_group(
         result = simulate(scenario, make, traffic=traffic)
         out[name] = (result, list(getattr(made[0], "change_events", [])))
     return out
+
+
+# A worker process's scenario and traffic: drawing the requests is a good part of a
+# run's cost, and every entrant a worker runs can share one draw.
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(scenario: Scenario) -> None:
+    _worker["scenario"] = scenario
+    _worker["traffic"] = Traffic(scenario)
+
+
+def _run_in_worker(name: str, seed: int) -> dict[str, tuple[RunResult, list[ChangeEvent]]]:
+    return _run_group(_worker["scenario"], [name], seed, _worker["traffic"])
 
 
 def run_policy_bench(
@@ -161,14 +175,17 @@ def run_policy_bench(
     if progress is not None:
         progress(0, len(names), "starting")
     if jobs <= 1:
+        traffic = Traffic(scenario)
         for index, name in enumerate(names):
-            runs.update(_run_group(scenario, [name], seed))
+            runs.update(_run_group(scenario, [name], seed, traffic))
             if progress is not None:
                 progress(index + 1, len(names), name)
     else:
-        # One entrant per task so progress moves; each task draws its own traffic.
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_run_group, scenario, [n], seed): n for n in names}
+        # One entrant per task so progress moves; each worker draws the traffic once.
+        with ProcessPoolExecutor(
+            max_workers=jobs, initializer=_init_worker, initargs=(scenario,)
+        ) as pool:
+            futures = {pool.submit(_run_in_worker, n, seed): n for n in names}
             for index, future in enumerate(as_completed(futures)):
                 runs.update(future.result())
                 if progress is not None:

@@ -40,6 +40,7 @@ The API the controller uses:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,7 @@ from collectors.observations import RequestObservation
 from policies.arms import OFF, Arm, ConcurrencyBuckets, Context, sorted_arms
 from policies.base import Clock
 from policies.estimators import (
+    KNEE_CELL,
     AcceptanceModel,
     BatchTracker,
     ChangeDetector,
@@ -355,25 +357,64 @@ class SpecPilotPolicy:
                 continue
             last = self._last_served.get((context.model, context.workload_class, proposer), 0)
             if count - last >= self.config.probe_every and (
-                plan is None or plan.probe_ok.get(proposer, True)
+                plan is not None and plan.probe_ok.get(proposer, False)
             ):
                 return Arm(proposer, min(self._gammas[proposer])), "probe"
         return None
 
-    def _cheap_probes(self, model: str, cost: CostParams) -> dict[str, bool]:
-        """Per proposer: whether one more sequence on its smallest γ slows the batch by
-        at most ``probe_max_slowdown``. A proposer nobody else uses makes every sequence
-        wait for its drafting, which at high load costs more than the probe can tell."""
+    def _cheap_probes(self, model: str, worlds: CostDraws) -> dict[str, bool]:
+        """Per proposer: whether one more sequence on its smallest γ surely (in all but
+        ``guard_quantile`` of the cost draws) slows the batch by at most
+        ``probe_max_slowdown``. A proposer nobody else uses makes every sequence wait
+        for its drafting, and past the compute knee every verified position slows every
+        sequence: at high load that costs more than the probe can tell. A probe into an
+        empty batch (its own pool in routing mode) slows nobody."""
         out = {}
         for proposer in self.proposers:
             probe = Arm(proposer, min(self._gammas[proposer]))
             tracker = self._tracker(model, probe)
             if tracker.in_flight == 0:
-                out[proposer] = True  # nobody shares the probe's batch
+                out[proposer] = True
                 continue
-            before = cost.step_time(*tracker.composition())
-            after = cost.step_time(*tracker.composition(probe))
-            out[proposer] = after <= before * (1.0 + self.config.probe_max_slowdown)
+            before = worlds.step_time(*tracker.composition())
+            slowdown = worlds.step_time(*tracker.composition(probe)) / before - 1.0
+            sure = _quantile(slowdown, 1.0 - self.config.guard_quantile)
+            out[proposer] = sure <= self.config.probe_max_slowdown
+        return out
+
+    def _affordable_exploration(
+        self,
+        concurrency: float,
+        shares: Mapping[str, float],
+        guarded: Mapping[str, Arm],
+        thompson: dict[str, Arm],
+        drawn_e: Mapping[tuple[str, Arm], FloatArray],
+        worlds: CostDraws,
+    ) -> dict[str, Arm]:
+        """Keep a class's Thompson arm only if, in the sampled acceptance world, it
+        raises the bucket's goodput in all but ``guard_quantile`` of ``worlds`` (the
+        mean cost with its knee anywhere within its grid cell).
+
+        Thompson sampling explores acceptance at the mean cost. When the batch runs
+        right at the compute knee, whether a knee just above the operating point or
+        just below is true decides whether any speculation pays, and exploring there
+        slows every sequence of the batch; acceptance (shared across buckets) is
+        learned as well at lower load.
+        """
+        size = len(worlds.step_s)
+        first = {key: np.full(size, values[0]) for key, values in drawn_e.items()}
+        topology = self.config.topology
+        base, _ = steady_state_draws(concurrency, shares, first, guarded, worlds, topology)
+        out = dict(thompson)
+        for cls in sorted(thompson):
+            if thompson[cls] == guarded.get(cls, OFF):
+                continue
+            moved, _ = steady_state_draws(
+                concurrency, shares, first, {**guarded, cls: thompson[cls]}, worlds, topology
+            )
+            ratios = moved / np.maximum(base, 1e-12)
+            if _quantile(ratios, self.config.guard_quantile) < 1.0:
+                out[cls] = guarded.get(cls, OFF)
         return out
 
     def _serve(self, context: Context, arm: Arm, count: int) -> None:
@@ -558,7 +599,18 @@ class SpecPilotPolicy:
         thompson = best_assignment(
             concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded, topology=topology
         )
-        probe_ok = self._cheap_probes(model, mean_cost)
+        # Exploring is allowed only where being wrong about the cost is cheap. The
+        # knee is known to a grid cell at best: the data cannot tell a knee just above
+        # the batch's operating point from one just below, so these checks place each
+        # draw's knee anywhere within its cell.
+        cell = KNEE_CELL ** self.rng.uniform(-0.5, 0.5, len(worlds.knee_tokens))
+        blurred = dataclasses.replace(worlds, knee_tokens=worlds.knee_tokens * cell)
+        mean_world = CostDraws.stack([mean_cost] * len(cell))
+        blurred_mean = dataclasses.replace(mean_world, knee_tokens=mean_world.knee_tokens * cell)
+        thompson = self._affordable_exploration(
+            concurrency, shares, guarded, thompson, drawn_e, blurred_mean
+        )
+        probe_ok = self._cheap_probes(model, blurred)
         self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
         # The live assignment is guarded too: a committed class whose speculation no
         # longer surely pays turns off now, whatever its dwell time.

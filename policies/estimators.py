@@ -156,36 +156,56 @@ class ChangeEvent:
 
 
 class ChangeDetector:
-    """Two-sided CUSUM on per-request first-position acceptance.
+    """Two-sided CUSUMs on per-request first-position acceptance.
 
     First-position acceptance (accepted at position 0 / drafts) does not depend on the
     γ a request ran with, so switching γ never looks like a drift. The baseline mean
-    and spread come from the first ``warmup`` requests after a (re)start and keep being
-    refined by every later request (a self-starting CUSUM): the first requests to
-    finish are the fast ones, with high acceptance, so a frozen warm-up baseline would
-    be biased and later turn into false alarms; after the warm-up each request moves
-    the baseline by at most 1/count, too little to mask an abrupt change. Scores are
-    standardised and clipped (one odd request cannot fire it alone). ``slack`` (in
-    standard deviations) is the shift below which evidence does not accumulate,
-    ``threshold`` the evidence that fires: with slack 1 and threshold 12 the in-control
-    run length is far beyond any realistic stream, while a shift of three standard
-    deviations fires within five to seven requests.
+    and spread come from the requests seen since a (re)start and keep being refined
+    by every later request (a self-starting CUSUM): the first requests to finish are
+    the fast ones, with high acceptance, so a frozen early baseline would be biased and
+    later turn into false alarms. A request joins the baseline only ``lag`` requests
+    after it was scored, so a shift is judged against the baseline from before it
+    rather than absorbed into it (which matters while the baseline rests on few
+    requests).
+
+    Monitoring starts after ``warmup`` requests, few on purpose: a proposer a class
+    does not use is seen only through sparse probes, and a drift must be caught from
+    a handful of them. Until many requests are in, the spread is shrunk towards
+    ``prior_spread`` (worth ``prior_requests`` requests), so a small early sample that
+    happens to agree closely cannot make ordinary noise look like a shift.
+
+    Scores are standardised and clipped (one odd request cannot fire it alone). Two
+    CUSUMs share the baseline: a coarse one (``slack`` 1 standard deviation,
+    ``threshold`` 12) fires within four or five requests on a shift of three or more
+    standard deviations; a fine one (``fine_slack`` 0.5, ``fine_threshold`` 18) catches
+    a shift of about one standard deviation within about 40 requests. Both have
+    in-control run lengths far beyond any realistic stream.
     """
 
     def __init__(
         self,
         *,
-        warmup: int = 30,
+        warmup: int = 5,
         slack: float = 1.0,
         threshold: float = 12.0,
+        fine_slack: float = 0.5,
+        fine_threshold: float = 18.0,
         clip: float = 4.0,
         min_spread: float = 0.04,
+        prior_spread: float = 0.15,
+        prior_requests: float = 10.0,
+        lag: int = 6,
     ) -> None:
         self.warmup = warmup
         self.slack = slack
         self.threshold = threshold
+        self.fine_slack = fine_slack
+        self.fine_threshold = fine_threshold
         self.clip = clip
         self.min_spread = min_spread
+        self.prior_spread = prior_spread
+        self.prior_requests = prior_requests
+        self.lag = lag
         self.reset()
 
     def reset(self) -> None:
@@ -194,7 +214,10 @@ class ChangeDetector:
         self.m2 = 0.0
         self.high = 0.0
         self.low = 0.0
+        self.fine_high = 0.0
+        self.fine_low = 0.0
         self.recent: float | None = None
+        self.pending: deque[float] = deque()
 
     @property
     def baseline(self) -> float | None:
@@ -202,7 +225,8 @@ class ChangeDetector:
 
     @property
     def spread(self) -> float:
-        variance = self.m2 / (self.count - 1) if self.count > 1 else 0.0
+        prior = self.prior_requests * self.prior_spread**2
+        variance = (self.m2 + prior) / (max(self.count - 1, 0) + self.prior_requests)
         return max(math.sqrt(variance), self.min_spread)
 
     def _learn(self, value: float) -> None:
@@ -221,9 +245,18 @@ class ChangeDetector:
         z = max(-self.clip, min(self.clip, (value - self.mean) / self.spread))
         self.high = max(0.0, self.high + z - self.slack)
         self.low = max(0.0, self.low - z - self.slack)
-        if self.high > self.threshold or self.low > self.threshold:
+        self.fine_high = max(0.0, self.fine_high + z - self.fine_slack)
+        self.fine_low = max(0.0, self.fine_low - z - self.fine_slack)
+        if (
+            self.high > self.threshold
+            or self.low > self.threshold
+            or self.fine_high > self.fine_threshold
+            or self.fine_low > self.fine_threshold
+        ):
             return True
-        self._learn(value)
+        self.pending.append(value)
+        if len(self.pending) > self.lag:
+            self._learn(self.pending.popleft())
         return False
 
     def to_state(self) -> dict[str, Any]:
@@ -233,7 +266,10 @@ class ChangeDetector:
             "m2": self.m2,
             "high": self.high,
             "low": self.low,
+            "fine_high": self.fine_high,
+            "fine_low": self.fine_low,
             "recent": self.recent,
+            "pending": list(self.pending),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -242,12 +278,19 @@ class ChangeDetector:
         self.m2 = float(state["m2"])
         self.high = float(state["high"])
         self.low = float(state["low"])
+        # States saved before the fine CUSUM existed start it afresh.
+        self.fine_high = float(state.get("fine_high", 0.0))
+        self.fine_low = float(state.get("fine_low", 0.0))
         self.recent = state["recent"]
+        self.pending = deque(float(v) for v in state.get("pending", []))
 
 
 # Knee candidates (verified positions per step), log-spaced: the knee is learned as a
 # posterior over this grid, the rest of the cost model by linear regression given it.
 KNEE_GRID: tuple[float, ...] = tuple(float(x) for x in np.geomspace(8, 2048, 25))
+
+# Ratio between neighbouring knees of the grid: how precisely a knee can be known.
+KNEE_CELL = KNEE_GRID[1] / KNEE_GRID[0]
 
 
 class StepCostModel:

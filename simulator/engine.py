@@ -148,32 +148,56 @@ class Plan:
     """How a request unfolds under one arm: steps and what each emits."""
 
     steps: int
-    emitted_cumulative: npt.NDArray[np.int64]
-    """Tokens emitted after each step (capped at the request's length)."""
+    emitted_cumulative: npt.NDArray[np.int64] | None
+    """Tokens emitted after each step (capped at the request's length); None when
+    every step emits one token (no speculation), which needs no array."""
     accepted_per_position: tuple[int, ...]
     accepted: int
 
+    def emitted_after(self, steps: int) -> int:
+        """Tokens emitted once ``steps`` (≥ 1) of its steps have run."""
+        if self.emitted_cumulative is None:
+            return min(steps, self.steps)
+        return int(self.emitted_cumulative[min(steps, self.steps) - 1])
+
+    def cumulative(self) -> npt.NDArray[np.int64]:
+        """Tokens emitted after each step, as an array even without speculation."""
+        if self.emitted_cumulative is None:
+            return np.arange(1, self.steps + 1, dtype=np.int64)
+        return self.emitted_cumulative
+
 
 def plan_request(request: SimRequest, arm: Arm, position_decay: float) -> Plan:
-    """Steps a request needs under an arm, from its own acceptance and draws."""
+    """Steps a request needs under an arm, from its own acceptance and draws.
+
+    This runs once per request and arm, on arrays of a few hundred elements, so it
+    keeps the number of numpy calls (each ~1 µs of overhead) small.
+    """
     n = request.output_tokens
     if arm.proposer is None:
-        return Plan(n, np.arange(1, n + 1, dtype=np.int64), (), 0)
+        return Plan(n, None, (), 0)
     alpha = request.alpha.get(arm.proposer, 0.0)
-    k = np.arange(1, arm.gamma + 1)
-    survival = alpha**k * position_decay ** (k * (k - 1) / 2.0)
-    # Drafts accepted in a step: how many survival levels lie above its uniform
-    # (survival decreases with k, so search the reversed, ascending array).
-    accepted = arm.gamma - np.searchsorted(survival[::-1], request.uniforms, side="right")
-    emitted = np.cumsum(accepted + 1)
+    gamma = arm.gamma
+    # P(L ≥ k) for k = γ … 1: ascending (survival decreases with k). A step accepts
+    # as many drafts as there are levels above its uniform; it emits one more.
+    levels = np.array(
+        [alpha**k * position_decay ** (k * (k - 1) / 2.0) for k in range(gamma, 0, -1)]
+    )
+    emits = (gamma + 1) - np.searchsorted(levels, request.uniforms, side="right")
+    emitted = np.cumsum(emits)
     steps = int(np.searchsorted(emitted, n)) + 1
-    used = accepted[:steps]
-    counts = np.bincount(used, minlength=arm.gamma + 1)
-    # Steps accepting more than i drafts: reverse cumulative counts from position i+1.
-    per_position = np.cumsum(counts[::-1])[::-1][1:].tolist()
+    accepted = int(emitted[steps - 1]) - steps
+    # Steps accepting more than i drafts = steps emitting more than i + 1 tokens.
+    counts = np.bincount(emits[:steps], minlength=gamma + 2).tolist()
+    per_position = []
+    above = 0
+    for emitted_count in range(gamma + 1, 1, -1):
+        above += counts[emitted_count]
+        per_position.append(above)
+    per_position.reverse()
     emitted_used = emitted[:steps]
     emitted_used[-1] = n
-    return Plan(steps, emitted_used, tuple(per_position), int(used.sum()))
+    return Plan(steps, emitted_used, tuple(per_position), accepted)
 
 
 @dataclass(slots=True, eq=False)
@@ -226,7 +250,7 @@ class Engine:
         for flight in self._flights.values():
             done = self.steps_run - flight.start_step
             if done > 0:
-                total += int(flight.plan.emitted_cumulative[done - 1])
+                total += flight.plan.emitted_after(done)
         return total
 
     def add(self, request: SimRequest, arm: Arm, concurrency: int | None = None) -> None:

@@ -284,7 +284,7 @@ def _accepted_per_step(plan: Plan, arm: Arm) -> npt.NDArray[np.int64]:
     """
     if arm.proposer is None:
         return np.zeros(plan.steps, dtype=np.int64)
-    emitted = np.diff(plan.emitted_cumulative, prepend=0)
+    emitted = np.diff(plan.cumulative(), prepend=0)
     accepted: npt.NDArray[np.int64] = (emitted - 1).astype(np.int64)
     accepted[-1] = plan.accepted - int(accepted[:-1].sum())
     return accepted
@@ -376,7 +376,7 @@ class SimInstance:
         steps_run = self._engine.steps_run
         for active in self._active.values():
             done = min(steps_run - active.start_step, active.plan.steps)
-            emitted = int(active.plan.emitted_cumulative[done - 1]) if done > 0 else 0
+            emitted = active.plan.emitted_after(done) if done > 0 else 0
             in_kv += active.ticket.prompt_tokens + emitted
         return self.running, self.waiting, min(1.0, in_kv / self.kv_cache_tokens)
 
@@ -502,7 +502,7 @@ class SimInstance:
                 gamma=active.arm.gamma,
                 accepted=active.accepted[start:end],
             )
-            emitted = active.plan.emitted_cumulative
+            emitted = active.plan.cumulative()
             first = previous = int(emitted[start - 1]) if start > 0 else 0
             for index in range(start, end):
                 active.ticket.events.put_nowait(StepOutput(int(emitted[index]) - previous))

@@ -52,6 +52,33 @@ def test_change_detector_fires_on_a_shift_not_on_noise() -> None:
     assert fired_after < 10
 
 
+def test_change_detector_catches_a_one_sigma_shift_within_a_few_dozen_requests() -> None:
+    # Per-request acceptance varies between requests (a Beta around the class mean),
+    # so a real drift can be as small as one standard deviation.
+    rng = np.random.default_rng(5)
+    detector = ChangeDetector()
+    quiet = rng.beta(0.26 * 20, 0.74 * 20, 20_000)
+    assert not any(detector.update(float(x)) for x in quiet)
+    shifted = rng.beta(0.37 * 20, 0.63 * 20, 200)
+    fired_after = next(i for i, x in enumerate(shifted) if detector.update(float(x)))
+    assert fired_after < 80
+
+
+def test_change_detector_judges_a_big_shift_from_a_handful_of_probes() -> None:
+    # A proposer a class does not use is only seen through sparse probes: a few
+    # requests make the baseline, and a collapse must show within a few more, while
+    # the same handful of ordinary requests must not look like a shift.
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        detector = ChangeDetector()
+        assert not any(detector.update(float(x)) for x in rng.beta(13, 7, 60))
+    detector = ChangeDetector()
+    for x in rng.beta(13, 7, 5):
+        assert not detector.update(float(x))
+    fired_after = next(i for i, x in enumerate(rng.beta(1, 15, 20)) if detector.update(float(x)))
+    assert fired_after < 6
+
+
 def test_step_cost_model_recovers_the_engine() -> None:
     truth = CostParams(step_s=0.03, knee_tokens=64, draft_cost={"eagle3": 0.05, "ngram": 0.01})
     model = StepCostModel(["eagle3", "ngram"])

@@ -51,7 +51,7 @@ def test_plan_is_a_prefix_model_consistent_with_the_counterfactual() -> None:
     rng = np.random.default_rng(0)
     request = SimRequest(1, 0, "code", 400, {"p": 0.7}, rng.random(400))
     long, short = plan_request(request, Arm("p", 5), 1.0), plan_request(request, Arm("p", 2), 1.0)
-    assert long.emitted_cumulative[-1] == 400 and short.emitted_cumulative[-1] == 400
+    assert long.cumulative()[-1] == 400 and short.cumulative()[-1] == 400
     assert long.steps < short.steps < plan_request(request, OFF, 1.0).steps == 400
     # The same draws run at γ = 5 predict γ = 2's tokens per step.
     expected = counterfactual_expected_tokens(long.accepted_per_position, long.steps)
