@@ -20,8 +20,8 @@ import yaml
 from simulator.instance import SpecConfig
 from simulator.scenario import load_scenario
 from simulator.server import FleetThread, PoolSpec
+from testbed.server import free_port
 from tests.actuators.sim_launcher import SCENARIO, SPEED
-from tests.controller.conftest import free_port
 from tests.controller.test_serve import AUTH, Serve
 
 MODEL = load_scenario(SCENARIO).model.name
