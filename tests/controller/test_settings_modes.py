@@ -312,7 +312,9 @@ def test_managed_pools_only_and_the_switch_hears_the_config(tmp_path: Path) -> N
         patch.setattr(
             "controller.actuators.configured.load_factory", lambda path: lambda s, p: fake
         )
-        (paced,) = actuators_from(settings, on_switch=lambda *args: switches.append(args))
+        (built,) = actuators_from(settings, on_switch=lambda *args: switches.append(args))
+    assert isinstance(built, Paced)
+    paced = built
     assert set(pools) == {"code"}
     actuator = paced.inner.inner  # type: ignore[attr-defined]
     actuator.transport, actuator.in_flight, actuator.timer = (
