@@ -560,8 +560,11 @@ def summary(settings: Settings) -> list[str]:
         proposers = ", ".join(
             f"{p.name} ({p.method}, γ {p.gamma_min}-{p.gamma_max})" for p in pool.proposer_list()
         )
+        managed = settings.actuators.managed
+        started = managed is not None and name in managed.pools
+        instances = "managed instance" if started else f"{len(pool.instances)} instance(s)"
         lines.append(
-            f"pool {name}: model {pool.model}, {len(pool.instances)} instance(s), "
+            f"pool {name}: model {pool.model}, {instances}, "
             f"running {pool.speculative_config.get('method')}, proposers: {proposers or 'none'}"
         )
     lines.append(f"actuators: {', '.join(actuator_names(settings)) or 'none'}")
