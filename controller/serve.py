@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 
@@ -64,6 +65,20 @@ def _log_start(settings: Settings) -> None:
     )
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound socket, so that a port in use is a one-line error before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 class _Server(uvicorn.Server):
     """A server whose signals the caller handles (two servers share one process)."""
 
@@ -76,6 +91,19 @@ async def _serve_with_gateway(settings: Settings) -> int:
     from controller.frontdoor import gateway_from, switch_traffic
     from controller.wiring import QueuedObservations
 
+    sockets: list[socket.socket] = []
+    for key, host, port in (
+        ("api", settings.api.host, settings.api.port),
+        ("gateway", settings.gateway.host, settings.gateway.port),
+    ):
+        try:
+            sockets.append(_listen(host, port))
+        except OSError as exc:
+            print(f"error: {key}: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+            for sock in sockets:
+                sock.close()
+            return 1
+    api_socket, gateway_socket = sockets
     policy = policy_from(settings)
     observations = QueuedObservations()
     gateway = gateway_from(settings, policy, observations.put)
@@ -85,6 +113,8 @@ async def _serve_with_gateway(settings: Settings) -> int:
     except StoreUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         gateway.aclose()
+        for sock in sockets:
+            sock.close()
         return 1
     _log_start(settings)
     log.info("gateway on http://%s:%d", settings.gateway.host, settings.gateway.port)
@@ -123,7 +153,10 @@ async def _serve_with_gateway(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
     try:
-        tasks = [asyncio.create_task(api.serve()), asyncio.create_task(front.serve())]
+        tasks = [
+            asyncio.create_task(api.serve(sockets=[api_socket])),
+            asyncio.create_task(front.serve(sockets=[gateway_socket])),
+        ]
         # One failing to start (a port in use) stops the other.
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()

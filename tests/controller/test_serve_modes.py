@@ -7,8 +7,12 @@ learned; a managed pool is started, moved to a new config and stopped by serve i
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ from simulator.scenario import load_scenario
 from simulator.server import FleetThread, PoolSpec
 from testbed.server import free_port
 from tests.actuators.sim_launcher import SCENARIO, SPEED
-from tests.controller.test_serve import AUTH, Serve
+from tests.controller.test_serve import AUTH, ROOT, Serve
 
 MODEL = load_scenario(SCENARIO).model.name
 
@@ -199,3 +203,32 @@ def test_managed_pool_is_started_moved_and_stopped_by_serve(tmp_path: Path) -> N
         ("stop", "off"),
         ("stop", "ngram:4"),
     ]
+
+
+def test_gateway_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    api_port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = base_config(tmp_path, api_port, taken.getsockname()[1])
+        config["actuators"] = {"mode": "routing"}
+        config["fleet"] = {
+            "pools": {"plain": {"model": MODEL, "instances": ["http://127.0.0.1:9"]}}
+        }
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "controller.cli",
+                "serve",
+                "--config",
+                str(write(tmp_path, config)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
+    assert result.returncode == 1
+    port = config["gateway"]["port"]
+    assert result.stderr.startswith(f"error: gateway: cannot listen on 127.0.0.1:{port}:")
