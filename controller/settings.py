@@ -341,9 +341,9 @@ class GatewaySettings(_Strict):
     process, same event loop), feeding every request's measurements to the loop."""
 
     enabled: bool | None = None
-    """None: served in routing mode only. In push mode ``true`` serves it too: each
-    request goes to the pool serving its class, and a managed pool's traffic follows
-    its new instance."""
+    """None: served in routing mode only. In push mode ``true`` serves it in front of
+    managed pools (every pool must be one): each request goes to the pool serving its
+    class, and a pool's traffic follows its new instance."""
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     classifier: str | None = None
@@ -437,6 +437,12 @@ class Settings(BaseSettings):
                     "@wiring.policy: routing mode asks specpilot's bandit per request (leave unset)"
                 )
             _check_routable(self.fleet)
+        unseen = sorted(set(self.fleet.pools) - started)
+        if self.actuators.mode == "push" and gateway.enabled and unseen:
+            raise ValueError(
+                "@gateway.enabled: in push mode the gateway can serve managed pools only "
+                f"(it must know what config serves each request), not {unseen}"
+            )
         if self.serves_gateway and self.wiring.collector is not None:
             raise ValueError(
                 "@wiring.collector: the gateway is the observation source when it is served"

@@ -135,15 +135,25 @@ def test_push_mode_gateway_routes_by_class(tmp_path: Path) -> None:
     data["fleet"]["pools"]["code"]["classes"] = ["code"]
     data["fleet"]["pools"]["static"]["classes"] = ["chat", "code"]
     data["gateway"] = {"enabled": True, "default_class": "chat"}
+    found = problems(tmp_path, data)
+    assert found == [
+        "gateway.enabled: in push mode the gateway can serve managed pools only "
+        "(it must know what config serves each request), not ['static']"
+    ]
+    del data["fleet"]["pools"]["static"]["instances"]
+    data["actuators"]["managed"]["pools"]["static"] = {"command": ["vllm", "serve", "x"]}
     settings = load(tmp_path, data)
     gateway = gateway_from(settings, policy_from(settings), lambda observation: None)
     routing = gateway.routing
     assert isinstance(routing, ClassRouting)
     assert routing.pool_for(None, "code", "1") == "code"  # its primary class
     assert routing.pool_for("llama", "chat", "1") == "static"
-    assert routing.pool_for(None, "poetry", "1") == "static"  # the default pool
-    assert gateway.fleet.default_pool == "static"  # the managed one has no instance yet
+    assert routing.pool_for(None, "poetry", "1") == "code"  # the default pool
+    assert gateway.fleet.default_pool == "code"  # the first: none has an instance yet
     assert gateway.fleet.pools["code"].instances == ()
+    gateway.fleet.set_instances("code", ("http://127.0.0.1:8123",), "ngram:2")
+    pool, instance = gateway.fleet.pick("code")
+    assert (pool.arm, instance.base_url) == ("ngram:2", "http://127.0.0.1:8123")
     assert gateway.classifier({}, {}) == "chat"
 
 
