@@ -146,12 +146,16 @@ async def _serve_with_gateway(settings: Settings) -> int:
 
     def stop() -> None:
         for server in (front, api):
-            if server.should_exit and server.started:
-                server.force_exit = True  # a second signal: stop waiting for requests
             server.should_exit = True
 
+    def on_signal() -> None:
+        if api.should_exit:
+            # A second signal: stop waiting for open requests (the loop still saves).
+            front.force_exit = True
+        stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(sig, on_signal)
     try:
         tasks = [
             asyncio.create_task(api.serve(sockets=[api_socket])),

@@ -93,6 +93,9 @@ def test_routing_mode_serves_the_gateway_and_keeps_learning_across_restarts(
     api_port, gateway_port = free_port(), free_port()
     config = base_config(tmp_path, api_port, gateway_port)
     config["actuators"] = {"mode": "routing"}
+    # Learned state is saved at the first iteration, then only on shutdown: what the
+    # second process continues from is what SIGTERM saved.
+    config["store"] = {"snapshot_interval_s": 3600}
     config["fleet"] = {
         "pools": {
             "off": {"model": MODEL, "instances": sim_pools.urls("off")},
