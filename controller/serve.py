@@ -63,6 +63,11 @@ def _log_start(settings: Settings) -> None:
         redact(settings.store_url),
         ", ".join(actuator_names(settings)) or "nothing (no actuator)",
     )
+    if settings.actuators.managed is not None and not settings.serves_gateway:
+        log.warning(
+            "managed pools without the gateway: clients reach their instances only at the "
+            "URLs logged at each start (set gateway.enabled: true to route to them)"
+        )
 
 
 def _listen(host: str, port: int) -> socket.socket:
