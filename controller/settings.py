@@ -493,7 +493,7 @@ def _check_routable(fleet: FleetSettings) -> None:
     if "off" not in by_arm:
         raise ValueError(
             "@fleet.pools: routing mode needs a pool without speculation "
-            "(speculative_config: {method: off})"
+            '(speculative_config: {method: "off"})'
         )
 
 
