@@ -53,16 +53,20 @@ def load_factory(path: str) -> Any:
 
 
 def policy_from(settings: Settings) -> ControlPolicy:
-    """The policy the settings name; by default specpilot's bandit."""
+    """The policy the settings name; by default specpilot's bandit, modelling one engine
+    per arm in routing mode (a pool per config) and one per model otherwise."""
     if settings.wiring.policy is None:
         from controller.wiring import bandit_policy
 
-        return bandit_policy(settings)
+        routing = settings.actuators.mode == "routing"
+        return bandit_policy(settings, topology="per_arm" if routing else "shared")
     policy: ControlPolicy = load_factory(settings.wiring.policy)(settings)
     return policy
 
 
 def source_from(settings: Settings) -> ObservationSource:
+    """The collector the settings name; none by default. When ``serve`` runs the gateway
+    it is the source instead (``controller.wiring.QueuedObservations``)."""
     if settings.wiring.collector is None:
         return NoObservations()
     source: ObservationSource = load_factory(settings.wiring.collector)(settings)

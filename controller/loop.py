@@ -297,12 +297,20 @@ class ControlLoop:
         self._wake.clear()
 
     async def shutdown(self) -> None:
-        """Save the learned state and flush buffered writes (SIGTERM ends here)."""
+        """Save the learned state, flush buffered writes and close the actuators (a
+        managed one stops the vLLM processes it started); SIGTERM ends here."""
         if self.is_leader:
             state, now = self.policy.state_dict(), self.clock()
             await self._write(Store.save_snapshot, now, state)
         await self._flush()
         await self.source.aclose()
+        for actuator in self.actuators:
+            close = getattr(actuator, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    log.exception("closing actuator %s failed", actuator.name)
         await asyncio.to_thread(self.leadership.release)
         self.is_leader = False
 

@@ -13,12 +13,12 @@ import time
 from collections.abc import Mapping
 
 from controller.contexts import Context
-from controller.gateway import Gateway, ObservationSink
+from controller.gateway import Classifier, Gateway, ObservationSink
 from controller.gateway.routing import Fleet as GatewayFleet
 from controller.gateway.routing import Pool
 from controller.settings import Settings
 from controller.specconfig import resolve_on_pool
-from policies.arms import OFF
+from policies.arms import OFF, ConcurrencyBuckets
 from policies.bandit import SpecPilotPolicy
 
 
@@ -55,13 +55,24 @@ def pool_arms(settings: Settings) -> dict[str, str]:
 
 
 def routed_gateway(
-    settings: Settings, policy: SpecPilotPolicy, sink: ObservationSink
+    settings: Settings,
+    policy: SpecPilotPolicy,
+    sink: ObservationSink,
+    *,
+    classifier: Classifier | None = None,
 ) -> tuple[Gateway, PolicyRouting]:
-    """A gateway over the settings' pools that routes by the policy's choice."""
+    """A gateway over the settings' pools that routes by the policy's choice, bucketing
+    concurrency with the settings' edges (the policy's contexts use the same)."""
     arms = pool_arms(settings)
     pools = [Pool(name, arms[name], pool.instances) for name, pool in settings.fleet.pools.items()]
     routing = PolicyRouting(
         policy, {arm: name for name, arm in arms.items()}, default_model=settings.models[0]
     )
-    gateway = Gateway(GatewayFleet(pools, clock=time.monotonic), routing=routing, sink=sink)
+    gateway = Gateway(
+        GatewayFleet(pools, clock=time.monotonic),
+        routing=routing,
+        classifier=classifier,
+        sink=sink,
+        buckets=ConcurrencyBuckets(tuple(settings.buckets)),
+    )
     return gateway, routing

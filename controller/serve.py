@@ -2,19 +2,30 @@
 
 uvicorn turns SIGTERM and SIGINT into a graceful shutdown; the app's lifespan then
 stops the loop, which saves the learned state and flushes buffered writes.
+
+When the settings serve the gateway (routing mode, or ``gateway.enabled``), it runs in
+the same event loop as the API on ``gateway.host:gateway.port``: every request it
+relays becomes an observation the loop drains (``QueuedObservations``). A signal then
+stops the gateway and the API together, and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
+import socket
 import sys
+from collections.abc import Iterator
 
 import uvicorn
 
+from controller.actuators.configured import actuators_from
 from controller.api import create_app
 from controller.builtin import policy_from, source_from
-from controller.service import build_service
-from controller.settings import Settings
+from controller.service import Service, build_service
+from controller.settings import Settings, actuator_names
 from controller.store.db import StoreUnavailable, redact
 
 log = logging.getLogger(__name__)
@@ -25,17 +36,14 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if settings.serves_gateway:
+        return asyncio.run(_serve_with_gateway(settings))
     try:
         service = build_service(settings, policy_from(settings), source_from(settings))
     except StoreUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    log.info(
-        "specpilot serving on http://%s:%d (store %s)",
-        settings.api.host,
-        settings.api.port,
-        redact(settings.store_url),
-    )
+    _log_start(settings)
     app = create_app(settings, service)
     config = uvicorn.Config(
         app, host=settings.api.host, port=settings.api.port, log_level="info", lifespan="on"
@@ -45,3 +53,129 @@ def serve(settings: Settings) -> int:
     finally:
         service.close()
     return 0
+
+
+def _log_start(settings: Settings) -> None:
+    log.info(
+        "specpilot serving on http://%s:%d (store %s); decisions reach the fleet by %s",
+        settings.api.host,
+        settings.api.port,
+        redact(settings.store_url),
+        ", ".join(actuator_names(settings)) or "nothing (no actuator)",
+    )
+    if settings.actuators.managed is not None and not settings.serves_gateway:
+        log.warning(
+            "managed pools without the gateway: clients reach their instances only at the "
+            "URLs logged at each start (set gateway.enabled: true to route to them)"
+        )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound socket, so that a port in use is a one-line error before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """A server whose signals the caller handles (two servers share one process)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve_with_gateway(settings: Settings) -> int:
+    from controller.frontdoor import gateway_from, switch_traffic
+    from controller.wiring import QueuedObservations
+
+    sockets: list[socket.socket] = []
+    for key, host, port in (
+        ("api", settings.api.host, settings.api.port),
+        ("gateway", settings.gateway.host, settings.gateway.port),
+    ):
+        try:
+            sockets.append(_listen(host, port))
+        except OSError as exc:
+            print(f"error: {key}: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+            for sock in sockets:
+                sock.close()
+            return 1
+    api_socket, gateway_socket = sockets
+    policy = policy_from(settings)
+    observations = QueuedObservations()
+    gateway = gateway_from(settings, policy, observations.put)
+    actuators = actuators_from(settings, on_switch=switch_traffic(settings, gateway))
+    try:
+        service: Service = build_service(settings, policy, observations, actuators=actuators)
+    except StoreUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        gateway.aclose()
+        for sock in sockets:
+            sock.close()
+        return 1
+    _log_start(settings)
+    log.info("gateway on http://%s:%d", settings.gateway.host, settings.gateway.port)
+    api = _Server(
+        uvicorn.Config(
+            create_app(settings, service),
+            host=settings.api.host,
+            port=settings.api.port,
+            log_level="info",
+            lifespan="on",
+        )
+    )
+    front = _Server(
+        uvicorn.Config(
+            gateway,
+            host=settings.gateway.host,
+            port=settings.gateway.port,
+            lifespan="off",
+            # As `specpilot gateway`: vLLM's own headers pass through, connections stay.
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            timeout_keep_alive=75,
+            proxy_headers=False,
+            log_level="warning",
+        )
+    )
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for server in (front, api):
+            server.should_exit = True
+
+    def on_signal() -> None:
+        if api.should_exit:
+            # A second signal: stop waiting for open requests (the loop still saves).
+            front.force_exit = True
+        stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        tasks = [
+            asyncio.create_task(api.serve(sockets=[api_socket])),
+            asyncio.create_task(front.serve(sockets=[gateway_socket])),
+        ]
+        # One failing to start (a port in use) stops the other.
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        failed = any(task.exception() is not None for task in done) or not (
+            api.started and front.started
+        )
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        gateway.aclose()
+        service.close()
+    return 1 if failed else 0

@@ -108,8 +108,10 @@ class PoolSettings(_Strict):
     """A set of vLLM instances serving one model with one ``--speculative-config``."""
 
     model: str
-    instances: list[InstanceUrl] = Field(min_length=1)
-    """Base URLs of the vLLM servers, kept as written (they name the instances)."""
+    instances: list[InstanceUrl] = Field(default_factory=list)
+    """Base URLs of the vLLM servers, kept as written (they name the instances). At
+    least one, except for a managed pool (``actuators.managed``), whose instances are
+    the ones specpilot starts."""
     speculative_config: dict[str, Any] = Field(default_factory=lambda: {"method": "off"})
     """The config the instances run now (``{"method": "off"}``: no speculation)."""
     proposers: dict[str, ProposerSettings] = Field(default_factory=dict)
@@ -185,11 +187,15 @@ class WiringSettings(_Strict):
     @field_validator("policy", "collector")
     @classmethod
     def _import_path(cls, value: str | None) -> str | None:
-        if value is not None:
-            module, sep, attr = value.partition(":")
-            if not sep or not module or not attr.isidentifier():
-                raise ValueError(f"expected 'package.module:factory', got {value!r}")
-        return value
+        return _import_path(value)
+
+
+def _import_path(value: str | None) -> str | None:
+    if value is not None:
+        module, sep, attr = value.partition(":")
+        if not sep or not module or not attr.isidentifier():
+            raise ValueError(f"expected 'package.module:factory', got {value!r}")
+    return value
 
 
 class LeaderSettings(_Strict):
@@ -220,7 +226,87 @@ class KubernetesSettings(_Strict):
     patch_type: Literal["json", "strategic-merge"] = "json"
 
 
+DEFAULT_CANARY_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+LAUNCHER_FLAGS = ("--host", "--port")
+"""Flags a launch adds itself (a free port on the configured host)."""
+
+
+class ManagedCanarySettings(_Strict):
+    """Completions a new managed instance must answer before it takes traffic (the
+    defaults are ``controller.actuators.managed.CanarySettings``'s)."""
+
+    requests: int = Field(default=3, ge=1)
+    prompt: str = Field(default=DEFAULT_CANARY_PROMPT, min_length=1)
+    max_tokens: int = Field(default=16, ge=1)
+    timeout_s: PositiveSeconds = 60.0
+    max_slowdown: float | None = Field(default=0.25, ge=0)
+    """Roll back if the new instance's median canary latency exceeds the old one's by
+    more than this fraction (0.25: 25 % slower); null: do not compare."""
+
+
+class LaunchSettings(_Strict):
+    """How one managed pool's vLLM is started: a ``command`` (run by specpilot's
+    ``CommandLauncher``) or a ``launcher`` factory, exactly one of them."""
+
+    command: list[str] | None = Field(default=None, min_length=1)
+    """The serving command without ``--host``, ``--port`` or ``--speculative-config``
+    (``[vllm, serve, /models/llama, --served-model-name, llama]``)."""
+    served_model: str | None = None
+    """The model name the server answers to; None: the pool's ``model``."""
+    host: str = "127.0.0.1"
+    environment: dict[str, str] = Field(default_factory=dict)
+    """Added to specpilot's environment for the process (``CUDA_VISIBLE_DEVICES``, ...)."""
+    log_dir: Path | None = None
+    """Where each instance's output goes; None: ``<data_dir>/vllm-logs``."""
+    launcher: str | None = None
+    """``"package.module:factory"``, called with ``(settings, pool name)``, returning a
+    ``controller.actuators.managed.Launcher``: for launchers other than a command."""
+
+    @field_validator("command")
+    @classmethod
+    def _no_launcher_flags(cls, command: list[str] | None) -> list[str] | None:
+        for flag in LAUNCHER_FLAGS:
+            if command and any(arg == flag or arg.startswith(f"{flag}=") for arg in command):
+                raise ValueError(f"leave out {flag}: each launch picks it (host: the 'host' key)")
+        return command
+
+    @field_validator("launcher")
+    @classmethod
+    def _launcher_path(cls, value: str | None) -> str | None:
+        return _import_path(value)
+
+    @model_validator(mode="after")
+    def _one_way_to_start(self) -> Self:
+        if (self.command is None) == (self.launcher is None):
+            raise ValueError("give exactly one of 'command' and 'launcher'")
+        return self
+
+
+class ManagedActuatorSettings(_Strict):
+    """Pools whose vLLM processes specpilot starts, canaries, switches, drains and stops
+    (``controller.actuators.managed``); each pool is moved at most once per
+    ``policy.min_dwell_s``. Defaults are ``controller.actuators.managed.ManagedSettings``'s."""
+
+    pools: dict[str, LaunchSettings] = Field(min_length=1)
+    """Pool name (one of ``fleet.pools``) → how its vLLM is started."""
+    mode: Literal["blue_green", "in_place"] = "blue_green"
+    """``blue_green``: the new instance runs beside the old one until it has proven
+    itself; ``in_place``: only one fits (memory, GPU), so the old one stops first."""
+    start_timeout_s: PositiveSeconds = 300.0
+    switch_grace_s: float = Field(default=1.0, ge=0)
+    """After the switch, the old instance is drained only after this many seconds."""
+    drain_timeout_s: PositiveSeconds = 300.0
+    """The old instance is stopped after this long even if requests remain."""
+    drain_poll_s: PositiveSeconds = 0.5
+    canary: ManagedCanarySettings = ManagedCanarySettings()
+
+
 class ActuatorSettings(_Strict):
+    mode: Literal["push", "routing"] = "push"
+    """How decisions reach the fleet. ``push``: each pool's effective config goes to the
+    actuators below (file, webhook, Kubernetes, managed). ``routing``: every pool keeps
+    the config it runs and the gateway (served by ``specpilot serve``) sends each
+    request to the pool that runs its context's arm; nothing is pushed."""
     file: bool = True
     """Write each pool's effective config to ``<file_dir>/<pool>.json`` (atomically)."""
     file_dir: Path | None = None
@@ -230,6 +316,43 @@ class ActuatorSettings(_Strict):
     target_models: dict[str, str] = Field(default_factory=dict)
     """Pool → its target checkpoint (directory or HF id in the local cache): a draft
     model is pushed to that pool only if its tokenizer and chat template match."""
+    managed: ManagedActuatorSettings | None = None
+
+    @model_validator(mode="after")
+    def _routing_pushes_nothing(self) -> Self:
+        if self.mode != "routing":
+            return self
+        pushers = [key for key in ("webhook", "kubernetes", "managed") if getattr(self, key)]
+        if "file" in self.model_fields_set and self.file:
+            pushers.insert(0, "file")
+        if pushers:
+            raise ValueError(
+                f"@{pushers[0]}: routing mode pushes no config (pools keep theirs); "
+                "remove it or use mode: push"
+            )
+        return self
+
+
+BUILTIN_CLASSIFIER = "builtin"
+
+
+class GatewaySettings(_Strict):
+    """The OpenAI-compatible gateway ``specpilot serve`` runs beside the API (same
+    process, same event loop), feeding every request's measurements to the loop."""
+
+    enabled: bool | None = None
+    """None: served in routing mode only. In push mode ``true`` serves it in front of
+    managed pools (every pool must be one): each request goes to the pool serving its
+    class, and a pool's traffic follows its new instance."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    classifier: str | None = None
+    """Classifies requests without an ``X-Workload-Class`` header: a model file from
+    ``specpilot classify train``, or ``builtin`` (the shipped model). None: every such
+    request is in ``default_class``."""
+    default_class: str | None = None
+    """Class of an unclassified request (and of a predicted class the settings do not
+    list); None: the first of ``classes``."""
 
 
 class Settings(BaseSettings):
@@ -245,6 +368,7 @@ class Settings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     leader: LeaderSettings = LeaderSettings()
     actuators: ActuatorSettings = ActuatorSettings()
+    gateway: GatewaySettings = GatewaySettings()
     wiring: WiringSettings = WiringSettings()
     buckets: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     """Inclusive lower edges of the concurrency buckets, starting at 1."""
@@ -286,6 +410,58 @@ class Settings(BaseSettings):
                 raise ValueError(f"@fleet.pools.{name}.classes: unknown classes {sorted(unknown)}")
         return self
 
+    @model_validator(mode="after")
+    def _modes_runnable(self) -> Self:
+        managed = self.actuators.managed
+        started = set(managed.pools) if managed is not None else set()
+        unknown = sorted(started - set(self.fleet.pools))
+        if unknown:
+            raise ValueError(f"@actuators.managed.pools: unknown pools {unknown}")
+        for name, pool in sorted(self.fleet.pools.items()):
+            if name in started and pool.instances:
+                raise ValueError(
+                    f"@fleet.pools.{name}.instances: a managed pool runs the instances "
+                    "specpilot starts; leave it out"
+                )
+            if name not in started and not pool.instances:
+                raise ValueError(
+                    f"@fleet.pools.{name}.instances: List should have at least 1 item "
+                    "(or start the pool with actuators.managed)"
+                )
+        gateway = self.gateway
+        if self.actuators.mode == "routing":
+            if gateway.enabled is False:
+                raise ValueError("@gateway.enabled: routing mode routes through the gateway")
+            if self.wiring.policy is not None:
+                raise ValueError(
+                    "@wiring.policy: routing mode asks specpilot's bandit per request (leave unset)"
+                )
+            _check_routable(self.fleet)
+        unseen = sorted(set(self.fleet.pools) - started)
+        if self.actuators.mode == "push" and gateway.enabled and unseen:
+            raise ValueError(
+                "@gateway.enabled: in push mode the gateway can serve managed pools only "
+                f"(it must know what config serves each request), not {unseen}"
+            )
+        if self.serves_gateway and self.wiring.collector is not None:
+            raise ValueError(
+                "@wiring.collector: the gateway is the observation source when it is served"
+            )
+        if gateway.default_class is not None and gateway.default_class not in self.classes:
+            raise ValueError(f"@gateway.default_class: {gateway.default_class!r} is not in classes")
+        if gateway.classifier is not None and gateway.classifier != BUILTIN_CLASSIFIER:
+            try:
+                _check_classifier(Path(gateway.classifier), self.classes)
+            except ValueError as exc:
+                raise ValueError(f"@gateway.classifier: {exc}") from None
+        return self
+
+    @property
+    def serves_gateway(self) -> bool:
+        """Whether ``specpilot serve`` runs the gateway (always in routing mode)."""
+        enabled = self.gateway.enabled
+        return self.actuators.mode == "routing" if enabled is None else enabled
+
     @property
     def store_url(self) -> str:
         return self.store.url or f"sqlite:///{(self.data_dir / 'specpilot.db').resolve()}"
@@ -301,6 +477,39 @@ class Settings(BaseSettings):
     @property
     def models(self) -> tuple[str, ...]:
         return tuple(sorted({pool.model for pool in self.fleet.pools.values()}))
+
+
+def _check_routable(fleet: FleetSettings) -> None:
+    """Routing mode: each pool is one arm, one pool per arm, and one runs without speculation."""
+    by_arm: dict[str, str] = {}
+    for name, pool in sorted(fleet.pools.items()):
+        arm = resolve_on_pool(pool.speculative_config, name, pool.proposer_list(), pinnable=False)
+        if arm in by_arm:
+            raise ValueError(
+                f"@fleet.pools.{name}.speculative_config: routing mode needs one pool per "
+                f"config, and pool {by_arm[arm]!r} runs {arm} too"
+            )
+        by_arm[arm] = name
+    if "off" not in by_arm:
+        raise ValueError(
+            "@fleet.pools: routing mode needs a pool without speculation "
+            '(speculative_config: {method: "off"})'
+        )
+
+
+def _check_classifier(path: Path, classes: list[str]) -> None:
+    """The model file parses and predicts only classes the settings list (no training)."""
+    from policies.classifier import loads_recipe  # scikit-learn loads only when configured
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    recipe = loads_recipe(text, str(path))
+    predicted = {example.workload_class for example in recipe.examples}
+    unknown = sorted(predicted - set(classes))
+    if unknown:
+        raise ValueError(f"{path} predicts classes not in classes: {unknown}")
 
 
 class SettingsError(Exception):
@@ -357,9 +566,19 @@ def summary(settings: Settings) -> list[str]:
         proposers = ", ".join(
             f"{p.name} ({p.method}, γ {p.gamma_min}-{p.gamma_max})" for p in pool.proposer_list()
         )
+        managed = settings.actuators.managed
+        started = managed is not None and name in managed.pools
+        instances = "managed instance" if started else f"{len(pool.instances)} instance(s)"
         lines.append(
-            f"pool {name}: model {pool.model}, {len(pool.instances)} instance(s), "
+            f"pool {name}: model {pool.model}, {instances}, "
             f"running {pool.speculative_config.get('method')}, proposers: {proposers or 'none'}"
+        )
+    lines.append(f"actuators: {', '.join(actuator_names(settings)) or 'none'}")
+    if settings.serves_gateway:
+        gateway = settings.gateway
+        lines.append(
+            f"gateway: {gateway.host}:{gateway.port}, classifier "
+            f"{gateway.classifier or 'none (default class ' + default_class(settings) + ')'}"
         )
     lines.append(f"classes: {', '.join(settings.classes)}")
     lines.append(f"buckets: {', '.join(settings.bucket_labels)}")
@@ -370,6 +589,22 @@ def summary(settings: Settings) -> list[str]:
         f"{len(settings.api.read_only_tokens)} read-only token(s)"
     )
     return lines
+
+
+def default_class(settings: Settings) -> str:
+    return settings.gateway.default_class or settings.classes[0]
+
+
+def actuator_names(settings: Settings) -> list[str]:
+    """How decisions reach the fleet, as ``summary`` and the logs say it."""
+    wanted = settings.actuators
+    if wanted.mode == "routing":
+        return ["routing (gateway)"]
+    names = [f"file ({settings.actuator_dir})"] if wanted.file else []
+    names += [n for n in ("webhook", "kubernetes") if getattr(wanted, n) is not None]
+    if wanted.managed is not None:
+        names.append(f"managed ({', '.join(sorted(wanted.managed.pools))}, {wanted.managed.mode})")
+    return names
 
 
 def _redact(url: str) -> str:

@@ -132,10 +132,14 @@ class Paced:
             self.on_error(exc)
 
     async def aclose(self) -> None:
-        """Cancel the timer and wait for a push it started."""
+        """Cancel the timer, wait for a push it started, then close the inner actuator
+        (if it has ``aclose``: the managed one stops the instances it started)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         for task in list(self._tasks):
             with contextlib.suppress(Exception):
                 await task
+        close = getattr(self.inner, "aclose", None)
+        if close is not None:
+            await close()

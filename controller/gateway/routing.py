@@ -130,6 +130,14 @@ class Pool:
         self.instances = tuple(Instance(url) for url in base_urls)
         self.in_flight = 0
 
+    @classmethod
+    def empty(cls, name: str, arm: str) -> Pool:
+        """A pool with no instance yet (a managed pool before its first start); its
+        requests go to the fleet's default pool until :meth:`Fleet.set_instances`."""
+        pool = cls(name, arm, ["http://placeholder"])
+        pool.instances = ()
+        return pool
+
     def __repr__(self) -> str:
         return f"Pool({self.name!r}, arm={self.arm!r}, instances={list(self.instances)})"
 
@@ -165,6 +173,16 @@ class Fleet:
         self.ejection = ejection or EjectionPolicy()
         self._clock = clock
         self._model_in_flight: dict[str | None, int] = {}
+
+    def set_instances(self, pool_name: str, base_urls: Sequence[str], arm: str) -> None:
+        """Swap a pool's instances and arm at once (a managed pool moved to a new
+        process). An instance that stays keeps its counters; requests still on a removed
+        one finish and release it as usual. No instance: the pool's requests go to the
+        default pool."""
+        pool = self.pools[pool_name]
+        kept = {instance.base_url: instance for instance in pool.instances}
+        pool.instances = tuple(kept.get(url.rstrip("/")) or Instance(url) for url in base_urls)
+        pool.arm = arm
 
     def model_in_flight(self, model: str | None) -> int:
         return self._model_in_flight.get(model, 0)
