@@ -25,13 +25,25 @@ def register(subparsers: Any) -> None:
 
 
 def _load_or_report(path: Path) -> Settings | None:
-    """The settings, or None after printing one ``error: key: problem`` line per error."""
+    """The settings, or None after printing one ``error: key: problem`` line per error.
+
+    The policy is built too (nothing starts): its parameters (``policy.params``) are
+    checked by the policy itself, which only then knows which keys it takes.
+    """
     try:
-        return load_settings(path)
+        settings = load_settings(path)
     except SettingsError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
         return None
+    from controller.builtin import policy_from
+
+    try:
+        policy_from(settings)
+    except (ValueError, TypeError) as exc:
+        print(f"error: policy: {exc}", file=sys.stderr)
+        return None
+    return settings
 
 
 def config_check(args: argparse.Namespace) -> int:

@@ -132,3 +132,13 @@ def test_config_check_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert len(err) == 2
     assert err[0].startswith("error: fleet.pools:") or err[1].startswith("error: fleet.pools:")
     assert any(line.startswith("error: scrape_interval_s:") for line in err)
+
+
+def test_config_check_refuses_parameters_the_policy_does_not_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["policy"]["params"] = {"exploration": 0.1}
+    assert main(["config", "check", str(write(tmp_path, yaml.safe_dump(data)))]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: policy:") and "exploration" in line and "explore_cap" in line
