@@ -23,15 +23,19 @@ import socket
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from collectors.observations import RequestObservation
 from controller.routed import routed_gateway
 from controller.settings import Settings
 from controller.wiring import bandit_policy
+from policies.bandit import SpecPilotPolicy
 from testbed.environment import ModelSet, VllmEnvironment
 from testbed.server import KNEE_TOKENS, SERVED_MODEL, VllmServer, parse_spec
 from testbed.traffic import run_streams
@@ -80,11 +84,28 @@ def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
     )  # fmt: skip
 
 
-async def play(urls: dict[str, str]) -> dict[str, tuple[float, list[dict[str, float]]]]:
+class ArmTally:
+    """The arms specpilot's gateway served, per phase: the sink its observations pass."""
+
+    def __init__(self, sink: Callable[[RequestObservation], None]) -> None:
+        self.sink = sink
+        self.phase = 0
+        self.counts: list[Counter[str]] = [Counter() for _ in PHASES]
+
+    def __call__(self, observation: RequestObservation) -> None:
+        self.counts[self.phase][observation.arm or "unknown"] += 1
+        self.sink(observation)
+
+
+async def play(
+    urls: dict[str, str], tally: ArmTally | None = None
+) -> dict[str, tuple[float, list[dict[str, float]]]]:
     """Run every phase against every target, interleaved; goodput overall and per phase."""
     tokens = {name: [0] * len(PHASES) for name in urls}
     seconds = {name: [0.0] * len(PHASES) for name in urls}
     for index, phase in enumerate(PHASES):
+        if tally is not None:
+            tally.phase = index
         each = phase.requests_each // HALVES
         for half in range(HALVES):
             order = list(urls) if (index * HALVES + half) % 2 == 0 else list(urls)[::-1]
@@ -107,13 +128,12 @@ async def play(urls: dict[str, str]) -> dict[str, tuple[float, list[dict[str, fl
 
 
 async def play_with_specpilot(
-    settings: Settings, pools: dict[str, str]
+    settings: Settings, policy: SpecPilotPolicy, pools: dict[str, str], tally: ArmTally
 ) -> dict[str, tuple[float, list[dict[str, float]]]]:
-    """Serve specpilot's gateway (routing by a fresh bandit) next to the pools, and play."""
-    control = bandit_policy(settings, topology="per_arm")
-    # The policy learns from every request as it completes (the service's loop would hand
-    # the same observations over once per interval).
-    gateway, _ = routed_gateway(settings, control.policy, control.observe)
+    """Serve specpilot's gateway (routing by ``policy``) next to the pools, and play.
+    The policy learns from every request as it completes, through ``tally`` (the
+    service's loop would hand the same observations over once per interval)."""
+    gateway, _ = routed_gateway(settings, policy, tally)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
@@ -125,7 +145,8 @@ async def play_with_specpilot(
             if task.done():
                 task.result()
             await asyncio.sleep(0.05)
-        return await play({**pools, "specpilot": f"http://127.0.0.1:{sock.getsockname()[1]}"})
+        gateway_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return await play({**pools, "specpilot": gateway_url}, tally)
     finally:
         server.should_exit = True
         await asyncio.gather(task, return_exceptions=True)
@@ -144,9 +165,10 @@ def run_benchmark() -> dict[str, Any]:
         # Warm both servers so the first measured run does not pay their first requests.
         asyncio.run(run_streams(ngram.base_url, 2, 2, seed=10_000))
         asyncio.run(run_streams(off.base_url, 2, 2, seed=10_000))
-        played = asyncio.run(
-            play_with_specpilot(settings, {"ngram": ngram.base_url, "off": off.base_url})
-        )
+        control = bandit_policy(settings, topology="per_arm")  # fresh: learning is billed
+        tally = ArmTally(control.observe)
+        urls = {"ngram": ngram.base_url, "off": off.base_url}
+        played = asyncio.run(play_with_specpilot(settings, control.policy, urls, tally))
     pools = {name: played[name][0] for name in ("ngram", "off")}
     best = max(pools, key=lambda name: pools[name])
     specpilot = played["specpilot"][0]
@@ -156,6 +178,7 @@ def run_benchmark() -> dict[str, Any]:
         "best_static_pool": best,
         "ratios": {"vs_best_static_pool": specpilot / pools[best]},
         "phases": {name: phases for name, (_, phases) in played.items()},
+        "specpilot_arms": [dict(sorted(counts.items())) for counts in tally.counts],
         "workload": [{"streams": p.streams, "requests_each": p.requests_each} for p in PHASES],
         "batch_tokens": KNEE_TOKENS,
     }
@@ -183,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
     for name, goodput in result["pools"].items():
         print(f"static pool {name:6s} {goodput:8.1f} tokens/s")
     print(f"specpilot          {result['specpilot']:8.1f} tokens/s")
+    for index, phase in enumerate(result["workload"]):
+        figures = "  ".join(
+            f"{name} {phases[index]['goodput']:7.1f}" for name, phases in result["phases"].items()
+        )
+        arms = ", ".join(f"{arm} ×{n}" for arm, n in result["specpilot_arms"][index].items())
+        print(f"  phase {index} ({phase['streams']:2d} streams): {figures}  [specpilot: {arms}]")
     ratio = result["ratios"]["vs_best_static_pool"]
     print(f"specpilot / best static pool ({result['best_static_pool']}) = {ratio:.3f}")
     return 0
