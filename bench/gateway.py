@@ -344,7 +344,7 @@ def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterat
             process.wait()
 
 
-def gateway_command(port: int, upstream_url: str) -> list[str]:
+def gateway_command(port: int, upstream_url: str, server: str = "native") -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -354,6 +354,8 @@ def gateway_command(port: int, upstream_url: str) -> list[str]:
         str(port),
         "--pool",
         f"bench={upstream_url}",
+        "--server",
+        server,
     ]
 
 
@@ -390,7 +392,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     levels: list[LevelResult] = []
     with upstream(args) as (upstream_port, upstream_pid, body):
         gateway_port = free_port()
-        command = gateway_command(gateway_port, f"http://127.0.0.1:{upstream_port}")
+        command = gateway_command(
+            gateway_port, f"http://127.0.0.1:{upstream_port}", args.gateway_server
+        )
         with child(command, f"http://127.0.0.1:{gateway_port}/v1/models") as pid:
             for concurrency in args.levels:
                 requests = max(args.requests, 8 * concurrency)
@@ -412,6 +416,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "upstream": args.upstream,
         "chunk_interval_ms": args.chunk_interval_ms if args.upstream == "replay" else None,
+        "gateway_server": args.gateway_server,
         "goal": {"added_p50_ms": GOAL_P50_MS, "added_p99_ms": GOAL_P99_MS},
         "levels": [asdict(level) for level in levels],
     }
@@ -442,6 +447,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests", type=int, default=None, help="per path and level (default by upstream)"
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="vllm upstream only")
+    parser.add_argument(
+        "--gateway-server",
+        choices=("native", "uvicorn"),
+        default="native",
+        help="the gateway's HTTP front end (`specpilot gateway --server`)",
+    )
     parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
     parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", default="completion-ngram", help=argparse.SUPPRESS)
