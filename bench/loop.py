@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
+from controller.gateway.server import GatewayServer
 from controller.routed import routed_gateway
 from controller.settings import Settings
 from controller.wiring import bandit_policy
@@ -89,22 +87,12 @@ async def play_through_specpilot(settings: Settings) -> tuple[float, list[dict[s
     # The policy learns from every request as it completes (the service's loop would hand
     # the same observations over once per interval).
     gateway, _ = routed_gateway(settings, control.policy, control.observe)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(gateway, log_level="warning", lifespan="off", access_log=False)
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    # The gateway's own front end, as `specpilot gateway` runs it.
+    server = await GatewayServer.start(gateway, host="127.0.0.1", port=0)
     try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.05)
-        return await play(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        return await play(f"http://127.0.0.1:{server.port}")
     finally:
-        server.should_exit = True
-        await asyncio.gather(task, return_exceptions=True)
-        gateway.aclose()
+        await server.close(grace_s=5.0)  # also closes the gateway's upstream connections
 
 
 def run_benchmark() -> dict[str, Any]:

@@ -105,6 +105,15 @@ class DirectResponse(abc.ABC):
         """Send ``data`` to the client now; True when the client's socket buffer is over
         its high-water mark and the caller should stop feeding it until ``on_drained``."""
 
+    @property
+    @abc.abstractmethod
+    def chunked(self) -> bool:
+        """Whether the body goes out in chunked encoding (known once started)."""
+
+    @abc.abstractmethod
+    def write_framed(self, framed: bytes) -> bool:
+        """Like :meth:`write_now` for bytes already in chunked framing (``chunked``)."""
+
     @abc.abstractmethod
     def on_drained(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the client's socket buffer has drained (or it left)."""
@@ -485,13 +494,20 @@ class _StreamForwarder:
     """What to send the client as upstream body pieces arrive: :class:`SseRelay`'s
     complete events, with a trailing ``[DONE]`` held back for the end of the response
     (vLLM ends its body right after it: sending both together saves one write and one
-    wake-up of the client per request)."""
+    wake-up of the client per request).
 
-    __slots__ = ("_last", "relay")
+    On the native front end (:meth:`attach`) it writes to the client itself, from the
+    upstream's read callback: :meth:`forward` for parsed body pieces and
+    :meth:`forward_raw` for a token event that goes through untouched, framing and all.
+    """
+
+    __slots__ = ("_connection", "_direct", "_last", "relay")
 
     def __init__(self, strip_usage: bool) -> None:
         self.relay = SseRelay(strip_usage=strip_usage)
         self._last = b""
+        self._direct: DirectResponse | None = None
+        self._connection: UpstreamConnection | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         out = self.relay.feed(chunk)
@@ -507,6 +523,56 @@ class _StreamForwarder:
         last, self._last = self._last, b""
         return last + self.relay.finish()
 
+    def attach(self, direct: DirectResponse, connection: UpstreamConnection) -> None:
+        self._direct, self._connection = direct, connection
+
+    def forward(self, chunk: bytes) -> None:
+        assert self._direct is not None
+        out = self.feed(chunk)
+        if out and self._direct.write_now(out):
+            self._hold_upstream()
+
+    def forward_raw(self, data: bytes) -> bool:
+        """Forward ``data`` (upstream bytes, chunked framing included) unchanged when it
+        is whole chunks of complete events that :meth:`feed` would pass through as they
+        are; False to have it parsed instead."""
+        assert self._direct is not None
+        if self._last:
+            return False
+        payload = _whole_chunks(data)
+        if payload is None or payload.endswith(_DONE_EVENT) or not self.relay.passes(payload):
+            return False
+        if self._direct.write_framed(data):
+            self._hold_upstream()
+        return True
+
+    def _hold_upstream(self) -> None:
+        # The client's socket buffer is full: stop reading the upstream until it drains.
+        assert self._direct is not None and self._connection is not None
+        self._connection.pause_reading()
+        self._direct.on_drained(self._connection.resume_reading)
+
+
+def _whole_chunks(data: bytes) -> bytes | None:
+    """The payload of ``data`` when it is one or more complete, non-empty chunks of a
+    chunked body without extensions (what vLLM's uvicorn sends per event); else None."""
+    at, end = 0, len(data)
+    parts = []
+    while at < end:
+        line = data.find(b"\r\n", at, at + 10)
+        if line <= at or data[at:line].strip(_HEX_DIGITS):
+            return None
+        start = line + 2
+        stop = start + int(data[at:line], 16)
+        if stop == start or data[stop : stop + 2] != b"\r\n":
+            return None
+        parts.append(data[start:stop])
+        at = stop + 2
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
 
 async def _relay_stream(
     response: Response, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
@@ -517,15 +583,9 @@ async def _relay_stream(
     forwarder = _StreamForwarder(strip_usage)
     await _send_start(response, head, keep_length=False)
     if isinstance(response, DirectResponse):
-        direct = response
-
-        def forward(chunk: bytes) -> None:
-            out = forwarder.feed(chunk)
-            if out and direct.write_now(out):
-                connection.pause_reading()
-                direct.on_drained(connection.resume_reading)
-
-        await connection.pipe(forward)
+        forwarder.attach(response, connection)
+        raw = forwarder.forward_raw if response.chunked else None
+        await connection.pipe(forwarder.forward, raw)
     else:
         while (chunk := await connection.chunk()) is not None:
             out = forwarder.feed(chunk)

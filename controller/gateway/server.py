@@ -115,6 +115,15 @@ class _ClientResponse(DirectResponse):
         protocol.write(data)
         return protocol.write_paused
 
+    @property
+    def chunked(self) -> bool:
+        return self._chunked
+
+    def write_framed(self, framed: bytes) -> bool:
+        protocol = self._protocol
+        protocol.write(framed)
+        return protocol.write_paused
+
     def on_drained(self, callback: Callable[[], None]) -> None:
         self._protocol.on_drained(callback)
 
