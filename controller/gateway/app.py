@@ -115,6 +115,10 @@ class DirectResponse(abc.ABC):
         """Like :meth:`write_now` for bytes already in chunked framing (``chunked``)."""
 
     @abc.abstractmethod
+    def end_now(self, data: bytes) -> None:
+        """:meth:`end`, synchronously; a later :meth:`end` does nothing."""
+
+    @abc.abstractmethod
     def on_drained(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the client's socket buffer has drained (or it left)."""
 
@@ -546,6 +550,12 @@ class _StreamForwarder:
             self._hold_upstream()
         return True
 
+    def complete(self) -> None:
+        """The upstream body ended: end the client's response now, from the read
+        callback (the end of the stream is on the critical path of every request)."""
+        assert self._direct is not None
+        self._direct.end_now(self.finish())
+
     def _hold_upstream(self) -> None:
         # The client's socket buffer is full: stop reading the upstream until it drains.
         assert self._direct is not None and self._connection is not None
@@ -585,7 +595,7 @@ async def _relay_stream(
     if isinstance(response, DirectResponse):
         forwarder.attach(response, connection)
         raw = forwarder.forward_raw if response.chunked else None
-        await connection.pipe(forwarder.forward, raw)
+        await connection.pipe(forwarder.forward, raw, forwarder.complete)
     else:
         while (chunk := await connection.chunk()) is not None:
             out = forwarder.feed(chunk)

@@ -128,6 +128,11 @@ class _ClientResponse(DirectResponse):
         self._protocol.on_drained(callback)
 
     async def end(self, data: bytes) -> None:
+        self.end_now(data)
+
+    def end_now(self, data: bytes) -> None:
+        if self.complete:
+            return
         if data and not self._no_body:
             if self._chunked:
                 data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)

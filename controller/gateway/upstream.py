@@ -53,6 +53,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._sink: Callable[[bytes], None] | None = None
         self._raw: Callable[[bytes], bool] | None = None
+        self._on_end: Callable[[], None] | None = None
         self._chunked = False
         self._at_chunk_boundary = False
         self.closed = False
@@ -121,6 +122,8 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._complete = True
         self._at_chunk_boundary = False
+        if self._on_end is not None:
+            self._on_end()
         self._wake()
 
     # the gateway's side ---------------------------------------------------------------
@@ -179,7 +182,10 @@ class UpstreamConnection(asyncio.Protocol):
         return data
 
     async def pipe(
-        self, sink: Callable[[bytes], None], raw: Callable[[bytes], bool] | None = None
+        self,
+        sink: Callable[[bytes], None],
+        raw: Callable[[bytes], bool] | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         """Hand the rest of the body to ``sink`` piece by piece, as it is parsed, and
         return at its end.
@@ -189,7 +195,8 @@ class UpstreamConnection(asyncio.Protocol):
         that starts between two chunks of a chunked body, as received (framing
         included); it returns True when it took care of those bytes itself (they must be
         whole chunks, which leave the parser where it was), False to have them parsed
-        and handed to ``sink``. Both must not block or raise; they may call
+        and handed to ``sink``. ``on_end`` runs in the same callback once the body is
+        complete (not when it fails). None of them may block or raise; they may call
         :meth:`pause_reading` (back-pressure).
 
         Why: the gateway's work per event sits on the stream's critical path (on a busy
@@ -204,14 +211,18 @@ class UpstreamConnection(asyncio.Protocol):
             sink(data)
         if self._paused:
             self.resume_reading()
-        self._sink, self._raw = sink, raw
+        if self._complete:
+            if on_end is not None:
+                on_end()
+            return
+        self._sink, self._raw, self._on_end = sink, raw, on_end
         try:
             while not self._complete:
                 if self._error is not None:
                     raise self._error
                 await self._wait()
         finally:
-            self._sink = self._raw = None
+            self._sink = self._raw = self._on_end = None
 
     def pause_reading(self) -> None:
         """Stop reading from the upstream socket (TCP then holds the upstream back)."""
