@@ -1,6 +1,6 @@
 """Gateway overhead: the same streams straight to the upstream and through the gateway.
 
-``python -m bench.gateway [--upstream vllm|replay] [--json]``
+``python -m bench.gateway [--upstream vllm|replay] [--gateway-server native|uvicorn] [--json]``
 
 For each concurrency level (1, 16, 64 streams) every stream alternates between going
 straight to the upstream and going through a gateway (``specpilot gateway`` in its own
@@ -22,6 +22,10 @@ Upstreams:
 - ``replay``: a minimal local SSE server that replays a recorded real vLLM 0.32 stream
   (``tests/fixtures/vllm-0.32``) with a fixed interval between events, so the gateway's
   own cost is what differs between the two paths.
+
+``--gateway-server`` picks the gateway's front end (``specpilot gateway --server``): its
+own HTTP/1.1 server (``native``, the default) or uvicorn over the ASGI interface, so the
+two can be compared on the same machine.
 
 The load generator is a raw asyncio HTTP/1.1 client with one keep-alive connection per
 stream, so the client itself costs little CPU on a machine the three processes share.
