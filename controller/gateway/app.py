@@ -337,6 +337,9 @@ class Gateway:
         for name, value in raw_headers:
             if name == WORKLOAD_CLASS_HEADER and value.strip():
                 return value.decode("latin-1").strip()
+        classifier = self.classifier
+        if type(classifier) is ConstantClassifier:
+            return classifier.workload_class  # no need to decode the headers for it
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
             return self.classifier(headers, body)

@@ -215,13 +215,11 @@ class GatewayProtocol(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        for name, value in self._headers:
-            if name == b"expect" and value.lower() == b"100-continue":
-                assert self._transport is not None
-                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        name = name.lower()
+        self._headers.append((name, value))
+        if name == b"expect" and value.lower() == b"100-continue" and self._transport:
+            # The client waits for this before it sends the body.
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)

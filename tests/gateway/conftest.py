@@ -30,8 +30,17 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     def stop(self) -> None:
+        async def cancel_pending() -> None:
+            # Upstream handlers still waiting on a gateway's idle keep-alive connection.
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_pending())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        self.loop.close()
 
 
 class RunningGateway:
