@@ -98,6 +98,8 @@ class _ClientResponse(DirectResponse):
                 protocol.keep_alive = False
         if not protocol.keep_alive:
             parts.append(b"connection: close\r\n")
+        elif not protocol.http11:
+            parts.append(b"connection: keep-alive\r\n")  # HTTP/1.0 closes unless told
         parts.append(b"\r\n")
         self.started = True
         protocol.write(b"".join(parts))
@@ -241,7 +243,10 @@ class GatewayProtocol(asyncio.Protocol):
         if self._task is None:
             self._start(request, http11, keep_alive)
         else:
+            # Pipelined: answered in order; read no further until this one's turn.
             self._pending.append((request, http11, keep_alive))
+            if self._transport is not None:
+                self._transport.pause_reading()
 
     # requests ---------------------------------------------------------------------------
 
@@ -276,6 +281,8 @@ class GatewayProtocol(asyncio.Protocol):
             return
         if self._pending:
             self._start(*self._pending.popleft())
+            if not self._pending:
+                transport.resume_reading()
         else:
             self._arm_idle_timer()
 
