@@ -1,4 +1,4 @@
-"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools, as raw ASGI.
+"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are classified, routed by the
 routing table, balanced least-in-flight inside the pool, retried on another instance
@@ -6,12 +6,16 @@ while nothing has reached the client yet, relayed (SSE event by event) and obser
 Every other path (``/v1/models`` included) is passed through to an instance of the
 default pool, since every pool serves the same models.
 
-Raw ASGI rather than Starlette/FastAPI: the proxy touches every streamed chunk, and a
-framework's request/response objects (Starlette's StreamingResponse adds a task group and
-a disconnect listener per response) would add work per request and per chunk without
-buying anything here. Profiled with py-spy under ``bench/gateway.py`` (one stream, replay
-upstream), about four fifths of the samples outside the event loop's wait were uvicorn's
-socket writes to the client and under a fifth this package's own Python.
+:meth:`Gateway.handle` does that for one :class:`Request`, writing to a
+:class:`Response`. Two front ends call it: the gateway's own HTTP/1.1 server
+(:mod:`controller.gateway.server`, what ``specpilot gateway`` runs), whose responses are
+:class:`DirectResponse` and can be written from the upstream socket's read callback, and
+:meth:`Gateway.__call__`, raw ASGI for any ASGI server. Raw ASGI rather than
+Starlette/FastAPI: the proxy touches every streamed chunk, and a framework's
+request/response objects would add work per request and per chunk without buying
+anything here. Under uvicorn, most of the gateway's CPU per stream went to the per-event
+ASGI send path; the native front end costs about a quarter less per stream at one stream
+(``bench/gateway.py --gateway-server``).
 """
 
 from __future__ import annotations
