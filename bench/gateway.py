@@ -1,6 +1,6 @@
 """Gateway overhead: the same streams straight to the upstream and through the gateway.
 
-``python -m bench.gateway [--upstream vllm|replay] [--json]``
+``python -m bench.gateway [--upstream vllm|replay] [--gateway-server native|uvicorn] [--json]``
 
 For each concurrency level (1, 16, 64 streams) every stream alternates between going
 straight to the upstream and going through a gateway (``specpilot gateway`` in its own
@@ -22,6 +22,10 @@ Upstreams:
 - ``replay``: a minimal local SSE server that replays a recorded real vLLM 0.32 stream
   (``tests/fixtures/vllm-0.32``) with a fixed interval between events, so the gateway's
   own cost is what differs between the two paths.
+
+``--gateway-server`` picks the gateway's front end (``specpilot gateway --server``): its
+own HTTP/1.1 server (``native``, the default) or uvicorn over the ASGI interface, so the
+two can be compared on the same machine.
 
 The load generator is a raw asyncio HTTP/1.1 client with one keep-alive connection per
 stream, so the client itself costs little CPU on a machine the three processes share.
@@ -223,9 +227,16 @@ async def run_mixed(
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, from /proc (clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) of a process's threads, from /proc/PID/task/*/schedstat.
+
+    Nanosecond resolution: /proc/PID/stat counts clock ticks (10 ms), a sizeable share of
+    a phase's total at one stream (64 streams of about 1 ms each on the vllm upstream).
+    """
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int(stat.read_text().split()[0])
+    return total / 1e9
 
 
 def runqueue_wait_s(pid: int) -> float:
@@ -344,7 +355,7 @@ def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterat
             process.wait()
 
 
-def gateway_command(port: int, upstream_url: str) -> list[str]:
+def gateway_command(port: int, upstream_url: str, server: str = "native") -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -354,6 +365,8 @@ def gateway_command(port: int, upstream_url: str) -> list[str]:
         str(port),
         "--pool",
         f"bench={upstream_url}",
+        "--server",
+        server,
     ]
 
 
@@ -390,7 +403,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     levels: list[LevelResult] = []
     with upstream(args) as (upstream_port, upstream_pid, body):
         gateway_port = free_port()
-        command = gateway_command(gateway_port, f"http://127.0.0.1:{upstream_port}")
+        command = gateway_command(
+            gateway_port, f"http://127.0.0.1:{upstream_port}", args.gateway_server
+        )
         with child(command, f"http://127.0.0.1:{gateway_port}/v1/models") as pid:
             for concurrency in args.levels:
                 requests = max(args.requests, 8 * concurrency)
@@ -412,6 +427,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "upstream": args.upstream,
         "chunk_interval_ms": args.chunk_interval_ms if args.upstream == "replay" else None,
+        "gateway_server": args.gateway_server,
         "goal": {"added_p50_ms": GOAL_P50_MS, "added_p99_ms": GOAL_P99_MS},
         "levels": [asdict(level) for level in levels],
     }
@@ -442,6 +458,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests", type=int, default=None, help="per path and level (default by upstream)"
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="vllm upstream only")
+    parser.add_argument(
+        "--gateway-server",
+        choices=("native", "uvicorn"),
+        default="native",
+        help="the gateway's HTTP front end (`specpilot gateway --server`)",
+    )
     parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
     parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", default="completion-ngram", help=argparse.SUPPRESS)

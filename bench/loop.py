@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -29,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from collectors.observations import RequestObservation
+from controller.gateway.server import GatewayServer
 from controller.routed import routed_gateway
 from controller.settings import Settings
 from controller.wiring import bandit_policy
@@ -134,23 +132,12 @@ async def play_with_specpilot(
     The policy learns from every request as it completes, through ``tally`` (the
     service's loop would hand the same observations over once per interval)."""
     gateway, _ = routed_gateway(settings, policy, tally)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(gateway, log_level="warning", lifespan="off", access_log=False)
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    # The gateway's own front end, as `specpilot gateway` runs it.
+    server = await GatewayServer.start(gateway, host="127.0.0.1", port=0)
     try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.05)
-        gateway_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        return await play({**pools, "specpilot": gateway_url}, tally)
+        return await play({**pools, "specpilot": f"http://127.0.0.1:{server.port}"}, tally)
     finally:
-        server.should_exit = True
-        await asyncio.gather(task, return_exceptions=True)
-        gateway.aclose()
+        await server.close(grace_s=5.0)  # also closes the gateway's upstream connections
 
 
 def run_benchmark() -> dict[str, Any]:

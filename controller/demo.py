@@ -33,6 +33,7 @@ import uvicorn
 
 from controller.api import create_app
 from controller.contexts import Context
+from controller.gateway.server import GatewayServer
 from controller.routed import routed_gateway
 from controller.service import Service, build_service
 from controller.settings import Settings
@@ -166,14 +167,13 @@ async def run_demo(args: Any) -> int:
     api_server = uvicorn.Server(
         uvicorn.Config(create_app(settings, service), log_level="warning", lifespan="on")
     )
-    gateway_server = uvicorn.Server(
-        uvicorn.Config(gateway, log_level="warning", lifespan="off", access_log=False)
-    )
     api_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     api_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     api_sock.bind((settings.api.host, settings.api.port))
     gateway_sock = _free_socket()
-    tasks = [await _serve(api_server, api_sock), await _serve(gateway_server, gateway_sock)]
+    tasks = [await _serve(api_server, api_sock)]
+    # The gateway's own front end, as `specpilot gateway` runs it.
+    gateway_server = await GatewayServer.start(gateway, sock=gateway_sock)
     gateway_url = f"http://127.0.0.1:{gateway_sock.getsockname()[1]}"
 
     print(f"specpilot demo: data in {settings.data_dir.resolve()}")
@@ -211,12 +211,12 @@ async def run_demo(args: Any) -> int:
             f"decisions in {settings.data_dir / 'specpilot.db'}"
         )
     finally:
-        for server in (gateway_server, api_server):
-            server.should_exit = True
+        api_server.should_exit = True
+        # Also closes the gateway's upstream connections.
+        await gateway_server.close(grace_s=5.0)
         for task in tasks:
             with contextlib.suppress(Exception):
                 await task
-        gateway.aclose()
         service.close()
         await sim.stop()
     return 0

@@ -4,7 +4,8 @@ uvicorn turns SIGTERM and SIGINT into a graceful shutdown; the app's lifespan th
 stops the loop, which saves the learned state and flushes buffered writes.
 
 When the settings serve the gateway (routing mode, or ``gateway.enabled``), it runs in
-the same event loop as the API on ``gateway.host:gateway.port``: every request it
+the same event loop as the API, on its own front end (``controller.gateway.server``, as
+``specpilot gateway`` runs it) at ``gateway.host:gateway.port``: every request it
 relays becomes an observation the loop drains (``QueuedObservations``). A signal then
 stops the gateway and the API together, and the process exits 0.
 """
@@ -24,11 +25,15 @@ import uvicorn
 from controller.actuators.configured import actuators_from
 from controller.api import create_app
 from controller.builtin import policy_from, source_from
+from controller.gateway.server import GatewayServer
 from controller.service import Service, build_service
 from controller.settings import Settings, actuator_names
 from controller.store.db import StoreUnavailable, redact
 
 log = logging.getLogger(__name__)
+
+GATEWAY_GRACE_S = 30.0
+"""On shutdown, streams in progress through the gateway get this long to finish."""
 
 
 def serve(settings: Settings) -> int:
@@ -132,50 +137,33 @@ async def _serve_with_gateway(settings: Settings) -> int:
             lifespan="on",
         )
     )
-    front = _Server(
-        uvicorn.Config(
-            gateway,
-            host=settings.gateway.host,
-            port=settings.gateway.port,
-            lifespan="off",
-            # As `specpilot gateway`: vLLM's own headers pass through, connections stay.
-            access_log=False,
-            server_header=False,
-            date_header=False,
-            timeout_keep_alive=75,
-            proxy_headers=False,
-            log_level="warning",
-        )
-    )
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
-        for server in (front, api):
-            server.should_exit = True
+        api.should_exit = True
 
     def on_signal() -> None:
         if api.should_exit:
             # A second signal: stop waiting for open requests (the loop still saves).
-            front.force_exit = True
+            api.force_exit = True
         stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    front: GatewayServer | None = None
     try:
-        tasks = [
-            asyncio.create_task(api.serve(sockets=[api_socket])),
-            asyncio.create_task(front.serve(sockets=[gateway_socket])),
-        ]
-        # One failing to start (a port in use) stops the other.
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        failed = any(task.exception() is not None for task in done) or not (
-            api.started and front.started
-        )
+        # The gateway's own front end, as `specpilot gateway` runs it; the API under
+        # uvicorn. The API ending (a signal, or failing to start) ends both.
+        front = await GatewayServer.start(gateway, sock=gateway_socket)
+        api_task = asyncio.create_task(api.serve(sockets=[api_socket]))
+        await asyncio.gather(api_task, return_exceptions=True)
+        failed = api_task.exception() is not None or not api.started
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        gateway.aclose()
+        if front is not None:
+            await front.close(grace_s=GATEWAY_GRACE_S)  # closes upstream connections too
+        else:
+            gateway.aclose()
         service.close()
     return 1 if failed else 0

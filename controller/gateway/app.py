@@ -1,4 +1,4 @@
-"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools, as raw ASGI.
+"""The gateway: an OpenAI-compatible reverse proxy in front of vLLM pools.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are classified, routed by the
 routing table, balanced least-in-flight inside the pool, retried on another instance
@@ -6,24 +6,29 @@ while nothing has reached the client yet, relayed (SSE event by event) and obser
 Every other path (``/v1/models`` included) is passed through to an instance of the
 default pool, since every pool serves the same models.
 
-Raw ASGI rather than Starlette/FastAPI: the proxy touches every streamed chunk, and a
-framework's request/response objects (Starlette's StreamingResponse adds a task group and
-a disconnect listener per response) would add work per request and per chunk without
-buying anything here. Profiled with py-spy under ``bench/gateway.py`` (one stream, replay
-upstream), about four fifths of the samples outside the event loop's wait were uvicorn's
-socket writes to the client and under a fifth this package's own Python.
+:meth:`Gateway.handle` does that for one :class:`Request`, writing to a
+:class:`Response`. Two front ends call it: the gateway's own HTTP/1.1 server
+(:mod:`controller.gateway.server`, what ``specpilot gateway`` runs), whose responses are
+:class:`DirectResponse` and can be written from the upstream socket's read callback, and
+:meth:`Gateway.__call__`, raw ASGI for any ASGI server. Raw ASGI rather than
+Starlette/FastAPI: the proxy touches every streamed chunk, and a framework's
+request/response objects would add work per request and per chunk without buying
+anything here. Under uvicorn, most of the gateway's CPU per stream went to the per-event
+ASGI send path; the native front end costs about a quarter less per stream at one stream
+(``bench/gateway.py --gateway-server``).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from collectors.observations import RequestObservation
 from controller.gateway.classify import (
@@ -56,6 +61,71 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One client request, read whole, as either front end hands it to :meth:`Gateway.handle`."""
+
+    method: str
+    path: str
+    """Percent-decoded path without the query: what routing looks at."""
+    target: str
+    """The request target as the client sent it (raw path and query): what goes upstream."""
+    headers: Headers
+    """Header pairs as received, names lower-case."""
+    body: bytes
+
+
+class Response(Protocol):
+    """Where :meth:`Gateway.handle` writes its answer: ``start`` once, ``write`` any number
+    of times (each piece goes to the client at once), ``end`` once. The front end frames
+    the body (chunked unless the headers carry a ``content-length``)."""
+
+    async def start(self, status: int, headers: Headers) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, data: bytes) -> None: ...
+
+
+class DirectResponse(abc.ABC):
+    """A :class:`Response` that can also be written synchronously, from the upstream
+    socket's read callback (the native front end's; an ASGI ``send`` cannot). A base
+    class rather than a protocol so that telling one apart is a cheap ``isinstance``."""
+
+    @abc.abstractmethod
+    async def start(self, status: int, headers: Headers) -> None: ...
+
+    @abc.abstractmethod
+    async def write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def end(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def write_now(self, data: bytes) -> bool:
+        """Send ``data`` to the client now; True when the client's socket buffer is over
+        its high-water mark and the caller should stop feeding it until ``on_drained``."""
+
+    @property
+    @abc.abstractmethod
+    def chunked(self) -> bool:
+        """Whether the body goes out in chunked encoding (known once started)."""
+
+    @abc.abstractmethod
+    def write_framed(self, framed: bytes) -> bool:
+        """Like :meth:`write_now` for bytes already in chunked framing (``chunked``)."""
+
+    @abc.abstractmethod
+    def end_now(self, data: bytes) -> None:
+        """:meth:`end`, synchronously; a later :meth:`end` does nothing."""
+
+    @abc.abstractmethod
+    def on_drained(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the client's socket buffer has drained (or it left)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +195,11 @@ class Gateway:
         self.upstreams.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point, for running the gateway under any ASGI server.
+
+        ``specpilot gateway`` serves :meth:`handle` directly (:mod:`controller.gateway.server`),
+        which costs the client less per streamed event than an ASGI server's send path.
+        """
         kind = scope["type"]
         if kind == "http":
             await self._http(scope, receive, send)
@@ -143,20 +218,23 @@ class Gateway:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_body(receive)
-        path: str = scope["path"]
+        target: str = (
+            scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        )
+        query: bytes = scope.get("query_string", b"")
+        if query and "?" not in target:
+            target += "?" + query.decode("latin-1")
+        request = Request(scope["method"], scope["path"], target, scope["headers"], body)
         # Watch for the client going away while we wait on the upstream: uvicorn's send()
         # silently drops writes to a closed connection, so only receive() tells.
         # After the response is complete uvicorn's receive() also reports a disconnect;
         # that one must not cancel the task (it may be in uvicorn's own code by then).
-        exchange = _Exchange(send)
+        response = _AsgiResponse(send)
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, exchange))
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, response))
         try:
-            if scope["method"] == "POST" and path in INFERENCE_PATHS:
-                await self._inference(scope, body, exchange.send)
-            else:
-                await self._passthrough(scope, body, exchange.send)
+            await self.handle(request, response)
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled() or not watcher.result():
                 raise
@@ -165,8 +243,16 @@ class Gateway:
         finally:
             watcher.cancel()
 
-    async def _passthrough(self, scope: Scope, body: bytes, send: Send) -> None:
-        headers = _forward_headers(scope)
+    async def handle(self, request: Request, response: Response) -> None:
+        """Serve one request. The caller cancels this when the client goes away; the
+        upstream connection is then closed on the way out, which makes vLLM abort."""
+        if request.method == "POST" and request.path in INFERENCE_PATHS:
+            await self._inference(request, response)
+        else:
+            await self._passthrough(request, request.body, response)
+
+    async def _passthrough(self, request: Request, body: bytes, response: Response) -> None:
+        headers = _forward_headers(request.headers)
         target = self.fleet.default_pool
         tried: list[Instance] = []
         for _ in range(self.max_attempts):
@@ -177,9 +263,9 @@ class Gateway:
             self.fleet.acquire(pool, instance)
             ok = True
             try:
-                connection, head = await self._open(scope, instance, headers, body)
+                connection, head = await self._open(request, instance, headers, body)
                 try:
-                    await _relay_whole(send, connection, head, parse=False)
+                    await _relay_whole(response, connection, head, parse=False)
                 finally:
                     self.upstreams.release(instance.host, instance.port, connection)
                 return
@@ -188,21 +274,22 @@ class Gateway:
                 tried.append(instance)
             finally:
                 self.fleet.release(pool, instance, ok=ok)
-        await _send_unavailable(send)
+        await _send_unavailable(response)
 
-    async def _inference(self, scope: Scope, raw_body: bytes, send: Send) -> None:
+    async def _inference(self, request: Request, response: Response) -> None:
         started = self._wall_clock()
+        raw_body = request.body
         try:
             body = json.loads(raw_body)
         except ValueError:
             body = None
         if not isinstance(body, dict):
             # Not ours to judge: the upstream answers malformed requests itself.
-            await self._passthrough(scope, raw_body, send)
+            await self._passthrough(request, raw_body, response)
             return
         model = body.get("model")
         model = model if isinstance(model, str) else None
-        workload_class = self._classify(scope, body)
+        workload_class = self._classify(request.headers, body)
         streaming = body.get("stream") is True
         strip_usage = False
         upstream_body = raw_body
@@ -216,7 +303,7 @@ class Gateway:
         bucket = self.buckets.bucket(fleet.begin(model))
         try:
             pool_name = self.routing.pool_for(model, workload_class, bucket)
-            headers = _forward_headers(scope)
+            headers = _forward_headers(request.headers)
             tried: list[Instance] = []
             for _ in range(self.max_attempts):
                 try:
@@ -226,12 +313,12 @@ class Gateway:
                 concurrency = fleet.acquire(pool, instance)
                 ok = True
                 try:
-                    connection, head = await self._open(scope, instance, headers, upstream_body)
+                    connection, head = await self._open(request, instance, headers, upstream_body)
                     try:
                         if streaming:
-                            document = await _relay_stream(send, connection, head, strip_usage)
+                            document = await _relay_stream(response, connection, head, strip_usage)
                         else:
-                            document = await _relay_whole(send, connection, head, parse=True)
+                            document = await _relay_whole(response, connection, head, parse=True)
                     finally:
                         self.upstreams.release(instance.host, instance.port, connection)
                 except UpstreamFailed:
@@ -247,15 +334,17 @@ class Gateway:
                 if self.sink is not None and head.status == 200:
                     self._observe(document, model, workload_class, pool, concurrency, started)
                 return
-            await _send_unavailable(send)
+            await _send_unavailable(response)
         finally:
             fleet.end(model)
 
-    def _classify(self, scope: Scope, body: dict[str, Any]) -> str:
-        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+    def _classify(self, raw_headers: Headers, body: dict[str, Any]) -> str:
         for name, value in raw_headers:
             if name == WORKLOAD_CLASS_HEADER and value.strip():
                 return value.decode("latin-1").strip()
+        classifier = self.classifier
+        if type(classifier) is ConstantClassifier:
+            return classifier.workload_class  # no need to decode the headers for it
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
             return self.classifier(headers, body)
@@ -264,7 +353,7 @@ class Gateway:
             return DEFAULT_CLASS
 
     async def _open(
-        self, scope: Scope, instance: Instance, headers: list[tuple[bytes, bytes]], body: bytes
+        self, request: Request, instance: Instance, headers: Headers, body: bytes
     ) -> tuple[UpstreamConnection, ResponseHead]:
         """Send the request to ``instance`` and wait for the response head.
 
@@ -274,13 +363,9 @@ class Gateway:
         upstream while idle: that is retried once on a fresh connection, not held against
         the instance.
         """
-        target: str = (
-            scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        encoded = encode_request(
+            request.method, request.target, instance.host_header, headers, body
         )
-        query: bytes = scope.get("query_string", b"")
-        if query and "?" not in target:
-            target += "?" + query.decode("latin-1")
-        request = encode_request(scope["method"], target, instance.host_header, headers, body)
         upstreams = self.upstreams
         while True:
             try:
@@ -288,7 +373,7 @@ class Gateway:
             except UpstreamError as exc:
                 raise UpstreamFailed(str(exc)) from exc
             try:
-                connection.send(request)
+                connection.send(encoded)
                 head = await connection.head()
             except UpstreamError as exc:
                 connection.close()
@@ -366,8 +451,8 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-class _Exchange:
-    """Wraps ``send`` to know when the response is complete."""
+class _AsgiResponse:
+    """:class:`Response` over ASGI ``send``; knows when the response is complete."""
 
     __slots__ = ("_send", "complete")
 
@@ -375,36 +460,41 @@ class _Exchange:
         self._send = send
         self.complete = False
 
-    async def send(self, message: Message) -> None:
-        if not message.get("more_body") and message["type"] == "http.response.body":
-            self.complete = True
-        await self._send(message)
+    async def start(self, status: int, headers: Headers) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes) -> None:
+        self.complete = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
 
 async def _cancel_on_disconnect(
-    receive: Receive, task: asyncio.Task[Any], exchange: _Exchange
+    receive: Receive, task: asyncio.Task[Any], response: _AsgiResponse
 ) -> bool:
     """Cancel ``task`` when the client goes away before its response is complete."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if exchange.complete:
+            if response.complete:
                 return False
             task.cancel()
             return True
 
 
-def _forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in scope["headers"] if k not in _REQUEST_SKIP]
+def _forward_headers(headers: Headers) -> Headers:
+    return [(k, v) for k, v in headers if k not in _REQUEST_SKIP]
 
 
-async def _send_start(send: Send, head: ResponseHead, *, keep_length: bool) -> None:
+async def _send_start(response: Response, head: ResponseHead, *, keep_length: bool) -> None:
     headers = []
     for name, value in head.headers:
         name = name.lower()
         if name not in _RESPONSE_SKIP and (keep_length or name != b"content-length"):
             headers.append((name, value))
-    await send({"type": "http.response.start", "status": head.status, "headers": headers})
+    await response.start(head.status, headers)
 
 
 def _content_type(head: ResponseHead) -> bytes:
@@ -414,42 +504,129 @@ def _content_type(head: ResponseHead) -> bytes:
     return b""
 
 
+class _StreamForwarder:
+    """What to send the client as upstream body pieces arrive: :class:`SseRelay`'s
+    complete events, with a trailing ``[DONE]`` held back for the end of the response
+    (vLLM ends its body right after it: sending both together saves one write and one
+    wake-up of the client per request).
+
+    On the native front end (:meth:`attach`) it writes to the client itself, from the
+    upstream's read callback: :meth:`forward` for parsed body pieces and
+    :meth:`forward_raw` for a token event that goes through untouched, framing and all.
+    """
+
+    __slots__ = ("_connection", "_direct", "_last", "relay")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.relay = SseRelay(strip_usage=strip_usage)
+        self._last = b""
+        self._direct: DirectResponse | None = None
+        self._connection: UpstreamConnection | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = self.relay.feed(chunk)
+        if out:
+            if self._last:
+                out, self._last = self._last + out, b""
+            if out.endswith(_DONE_EVENT):
+                self._last = out
+                return b""
+        return out
+
+    def finish(self) -> bytes:
+        last, self._last = self._last, b""
+        return last + self.relay.finish()
+
+    def attach(self, direct: DirectResponse, connection: UpstreamConnection) -> None:
+        self._direct, self._connection = direct, connection
+
+    def forward(self, chunk: bytes) -> None:
+        assert self._direct is not None
+        out = self.feed(chunk)
+        if out and self._direct.write_now(out):
+            self._hold_upstream()
+
+    def forward_raw(self, data: bytes) -> bool:
+        """Forward ``data`` (upstream bytes, chunked framing included) unchanged when it
+        is whole chunks of complete events that :meth:`feed` would pass through as they
+        are; False to have it parsed instead."""
+        assert self._direct is not None
+        if self._last:
+            return False
+        payload = _whole_chunks(data)
+        if payload is None or payload.endswith(_DONE_EVENT) or not self.relay.passes(payload):
+            return False
+        if self._direct.write_framed(data):
+            self._hold_upstream()
+        return True
+
+    def complete(self) -> None:
+        """The upstream body ended: end the client's response now, from the read
+        callback (the end of the stream is on the critical path of every request)."""
+        assert self._direct is not None
+        self._direct.end_now(self.finish())
+
+    def _hold_upstream(self) -> None:
+        # The client's socket buffer is full: stop reading the upstream until it drains.
+        assert self._direct is not None and self._connection is not None
+        self._connection.pause_reading()
+        self._direct.on_drained(self._connection.resume_reading)
+
+
+def _whole_chunks(data: bytes) -> bytes | None:
+    """The payload of ``data`` when it is one or more complete, non-empty chunks of a
+    chunked body without extensions (what vLLM's uvicorn sends per event); else None."""
+    at, end = 0, len(data)
+    parts = []
+    while at < end:
+        line = data.find(b"\r\n", at, at + 10)
+        if line <= at or data[at:line].strip(_HEX_DIGITS):
+            return None
+        start = line + 2
+        stop = start + int(data[at:line], 16)
+        if stop == start or data[stop : stop + 2] != b"\r\n":
+            return None
+        parts.append(data[start:stop])
+        at = stop + 2
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
 async def _relay_stream(
-    send: Send, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
+    response: Response, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
 ) -> dict[str, Any] | None:
     """Forward an SSE body event by event; returns the usage chunk when one came."""
     if not _content_type(head).startswith(b"text/event-stream"):
-        return await _relay_whole(send, connection, head, parse=True)
-    relay = SseRelay(strip_usage=strip_usage)
-    await _send_start(send, head, keep_length=False)
-    # vLLM ends its body right after [DONE]: sending [DONE] with the end of the response
-    # saves one write (and one wake-up of the client) per request.
-    last = b""
-    while (chunk := await connection.chunk()) is not None:
-        out = relay.feed(chunk)
-        if out:
-            if last:
-                out, last = last + out, b""
-            if out.endswith(_DONE_EVENT):
-                last = out
-                continue
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-    await send({"type": "http.response.body", "body": last + relay.finish(), "more_body": False})
-    return relay.usage_chunk
+        return await _relay_whole(response, connection, head, parse=True)
+    forwarder = _StreamForwarder(strip_usage)
+    await _send_start(response, head, keep_length=False)
+    if isinstance(response, DirectResponse):
+        forwarder.attach(response, connection)
+        raw = forwarder.forward_raw if response.chunked else None
+        await connection.pipe(forwarder.forward, raw, forwarder.complete)
+    else:
+        while (chunk := await connection.chunk()) is not None:
+            out = forwarder.feed(chunk)
+            if out:
+                await response.write(out)
+    await response.end(forwarder.finish())
+    return forwarder.relay.usage_chunk
 
 
 async def _relay_whole(
-    send: Send, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
+    response: Response, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
 ) -> dict[str, Any] | None:
     """Forward a body unchanged; with ``parse``, then read it as JSON (after the client
     has it, so parsing is off the latency path)."""
-    await _send_start(send, head, keep_length=True)
+    await _send_start(response, head, keep_length=True)
     parts: list[bytes] = []
     while (chunk := await connection.chunk()) is not None:
         if parse:
             parts.append(chunk)
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await response.write(chunk)
+    await response.end(b"")
     if not parse or head.status != 200:
         return None
     with contextlib.suppress(ValueError):
@@ -459,15 +636,12 @@ async def _relay_whole(
     return None
 
 
-async def _send_unavailable(send: Send) -> None:
+async def _send_unavailable(response: Response) -> None:
     body = json.dumps(
         {"error": {"message": "no upstream instance available", "type": "ServiceUnavailable"}}
     ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [(b"content-type", b"application/json")],
-        }
+    await response.start(
+        503,
+        [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
     )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await response.end(body)

@@ -59,6 +59,18 @@ class SseRelay:
             return self._rewrite(complete)
         return complete
 
+    def passes(self, data: bytes) -> bool:
+        """Whether :meth:`feed` would return ``data`` unchanged and keep nothing back: it
+        holds only complete events, none of which is rewritten, and nothing is pending
+        or held. A caller may then forward ``data`` itself and skip :meth:`feed`."""
+        return (
+            not self._pending
+            and not self._held
+            and data.endswith(_EVENT_END)
+            and _USAGE_MARK not in data
+            and not (self.strip_usage and _FINISH_MARK in data)
+        )
+
     def finish(self) -> bytes:
         """What is left when the upstream body ends: held chunks unstamped, then any
         trailing partial event, so a stream cut short is forwarded as it was cut."""

@@ -19,6 +19,7 @@ import uvicorn
 
 from controller.api import create_app
 from controller.contexts import Context
+from controller.gateway.server import GatewayServer
 from controller.routed import routed_gateway
 from controller.service import build_service
 from controller.settings import Settings
@@ -72,27 +73,28 @@ def test_loop_settles_on_ngram_alone_and_off_under_load(
     gateway, _ = routed_gateway(settings, control.policy, queue.put)
 
     async def scenario() -> tuple[str, str]:
-        servers, tasks = [], []
-        for app, lifespan in ((create_app(settings, service), "on"), (gateway, "off")):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
-            tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
-            servers.append((server, sock.getsockname()[1]))
-        while not all(server.started for server, _ in servers):
-            assert not any(task.done() for task in tasks), "a server failed to start"
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        api = uvicorn.Server(
+            uvicorn.Config(create_app(settings, service), log_level="warning", lifespan="on")
+        )
+        api_task = asyncio.create_task(api.serve(sockets=[sock]))
+        # The gateway on its own front end, as `specpilot gateway` runs it.
+        front = await GatewayServer.start(gateway, host="127.0.0.1", port=0)
+        while not api.started:
+            assert not api_task.done(), "the API server failed to start"
             await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{servers[1][1]}"
+        url = f"http://127.0.0.1:{front.port}"
         try:
             await run_streams(url, count=1, requests_each=80)
             alone = str(control.policy.decide(Context(SERVED_MODEL, "code", "1")).arm)
             await run_streams(url, count=16, requests_each=12)
             busy = str(control.policy.decide(Context(SERVED_MODEL, "code", "16-31")).arm)
         finally:
-            for server, _ in servers:
-                server.should_exit = True
-            await asyncio.gather(*tasks, return_exceptions=True)
-            gateway.aclose()  # its upstream connections belong to this event loop
+            api.should_exit = True
+            # Also closes the gateway's upstream connections, inside this event loop.
+            await front.close(grace_s=5.0)
+            await asyncio.gather(api_task, return_exceptions=True)
         return alone, busy
 
     try:

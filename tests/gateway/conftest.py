@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 
 from collectors.observations import RequestObservation
 from controller.gateway.app import Gateway
+from controller.gateway.server import GatewayServer
 from testbed.server import free_port
 
 
@@ -28,18 +30,42 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     def stop(self) -> None:
+        async def cancel_pending() -> None:
+            # Upstream handlers still waiting on a gateway's idle keep-alive connection.
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_pending())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        self.loop.close()
 
 
 class RunningGateway:
-    """A gateway served by uvicorn on a free port; ``observations`` is its sink's list."""
+    """A gateway on a free port, in a thread; ``observations`` is its sink's list.
 
-    def __init__(self, gateway: Gateway) -> None:
+    ``server`` is the front end: ``"native"`` (what ``specpilot gateway`` runs, on uvloop)
+    or ``"uvicorn"`` (the ASGI interface).
+    """
+
+    def __init__(self, gateway: Gateway, server: str = "native") -> None:
         self.gateway = gateway
-        self.port = free_port()
         self.observations: list[RequestObservation] = []
         gateway.sink = self.observations.append
+        self._native: tuple[asyncio.AbstractEventLoop, GatewayServer] | None = None
+        if server == "native":
+            loop = uvloop.new_event_loop()
+            self._thread = threading.Thread(target=loop.run_forever, daemon=True)
+            self._thread.start()
+            started = asyncio.run_coroutine_threadsafe(
+                GatewayServer.start(gateway, host="127.0.0.1", port=0), loop
+            ).result(30)
+            self._native = (loop, started)
+            self.port = started.port
+            return
+        self.port = free_port()
         config = uvicorn.Config(
             gateway,
             host="127.0.0.1",
@@ -66,6 +92,13 @@ class RunningGateway:
         return self.observations
 
     def stop(self) -> None:
+        if self._native is not None:
+            loop, server = self._native
+            # Closes the gateway's upstream connections too, inside their event loop.
+            asyncio.run_coroutine_threadsafe(server.close(grace_s=5.0), loop).result(15)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(15)
+            return
         self._server.should_exit = True
         self._thread.join(15)
         self.gateway.aclose()
@@ -80,18 +113,24 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 6
         time.sleep(0.02)
 
 
-@pytest.fixture
-def run_gateway() -> Iterator[Callable[[Gateway], RunningGateway]]:
+def gateway_runner(server: str) -> Iterator[Callable[[Gateway], RunningGateway]]:
+    """Starts gateways on the ``server`` front end; stops them all afterwards."""
     started: list[RunningGateway] = []
 
     def start(gateway: Gateway) -> RunningGateway:
-        running = RunningGateway(gateway)
+        running = RunningGateway(gateway, server)
         started.append(running)
         return running
 
     yield start
     for running in started:
         running.stop()
+
+
+@pytest.fixture(params=["native", "uvicorn"])
+def run_gateway(request: pytest.FixtureRequest) -> Iterator[Callable[[Gateway], RunningGateway]]:
+    """Every gateway test runs on both front ends: they share :meth:`Gateway.handle`."""
+    yield from gateway_runner(request.param)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from bench.gateway import FIXTURES, ReplayUpstream, sse_events
 from controller.gateway.app import Gateway
 from controller.gateway.routing import EjectionPolicy, Fleet, Pool, RouteKey, StaticRoutingTable
 from testbed.server import free_port
-from tests.gateway.conftest import LoopThread, RunningGateway
+from tests.gateway.conftest import LoopThread, RunningGateway, wait_until
 
 STREAM_BODY = {"model": "tiny-llama", "prompt": "def f(", "stream": True}
 _ID = re.compile(rb'"id":"[^"]*"')
@@ -210,3 +211,87 @@ def test_classifier_and_routing_table_pick_the_pool(
     # The header decides alone: the classifier was not asked the last time.
     assert len(seen) == 4
     assert seen[0][1]["prompt"] == "def f(" and "content-type" in seen[0][0]
+
+
+def start_endless_upstream(loop_thread: LoopThread) -> tuple[dict[str, int], str]:
+    """Streams one SSE event every 20 ms, up to 2000; ``state["sent"]`` counts them and
+    ``state["closed"]`` becomes 1 when the gateway's connection to it goes away."""
+    state = {"sent": 0, "closed": 0}
+    event = sse_events(FIXTURES / "completion-ngram-stream-usage.sse")[0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        try:
+            for _ in range(2000):
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                state["sent"] += 1
+                await asyncio.sleep(0.02)
+        except ConnectionError:
+            pass
+        finally:
+            state["closed"] = 1
+            writer.close()
+
+    port = free_port()
+    loop_thread.run(asyncio.start_server(handle, "127.0.0.1", port))
+    return state, f"http://127.0.0.1:{port}"
+
+
+def test_client_disconnect_closes_the_upstream_request(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    state, url = start_endless_upstream(loop_thread)
+    fleet = Fleet([Pool("p", "off", [url])], clock=FakeClock())
+    gateway = run_gateway(Gateway(fleet))
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream("POST", f"{gateway.base_url}/v1/completions", json=STREAM_BODY) as response,
+    ):
+        assert next(response.iter_lines()).startswith("data: {")
+    # Leaving the block closed the client's connection mid-stream.
+    wait_until(lambda: state["closed"] == 1, what="the upstream connection to close")
+    assert state["sent"] < 2000, "the upstream stream was cut, not played to its end"
+    wait_until(lambda: fleet.pools["p"].in_flight == 0, what="the attempt to be released")
+    assert gateway.observations == [], "an abandoned request is not an observation"
+
+
+def test_slow_client_gets_a_large_stream_whole_and_in_order(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    """Far more than the sockets buffer: the gateway stops reading the upstream while
+    the client lags, and resumes, without losing or reordering an event."""
+    events = [b'data: {"n":%d,"pad":"%s"}\n\n' % (i, b"x" * 4000) for i in range(2000)]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    port = free_port()
+    loop_thread.run(asyncio.start_server(handle, "127.0.0.1", port))
+    fleet = Fleet([Pool("p", "off", [f"http://127.0.0.1:{port}"])], clock=FakeClock())
+    gateway = run_gateway(Gateway(fleet))
+    body = {**STREAM_BODY, "stream_options": {"include_usage": True}}
+    received = b""
+    with (
+        httpx.Client(timeout=60.0) as client,
+        client.stream("POST", f"{gateway.base_url}/v1/completions", json=body) as response,
+    ):
+        for i, piece in enumerate(response.iter_raw(16384)):
+            if i % 64 == 0:
+                time.sleep(0.01)  # lag behind the upstream
+            received += piece
+    assert received == b"".join(events)
+    wait_until(lambda: fleet.pools["p"].in_flight == 0, what="the attempt to be released")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +15,7 @@ from controller.gateway.routing import Fleet, Pool
 from testbed.server import VllmServer, free_port
 from testbed.traffic import chat_body, code_prompt, completion_body
 from tests.conftest import VllmServers
-from tests.gateway.conftest import RunningGateway, wait_until
+from tests.gateway.conftest import RunningGateway, gateway_runner, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -37,6 +37,13 @@ def normalise(data: bytes) -> bytes:
     for pattern, replacement in _VOLATILE:
         data = pattern.sub(replacement, data)
     return data
+
+
+@pytest.fixture
+def run_gateway() -> Iterator[Callable[[Gateway], RunningGateway]]:
+    """Against real vLLM only the front end ``specpilot gateway`` runs (native); the ASGI
+    interface runs the same :meth:`Gateway.handle` and is covered against the fakes."""
+    yield from gateway_runner("native")
 
 
 @pytest.fixture(scope="module")

@@ -76,3 +76,32 @@ def test_done_without_usage_releases_held_terminal_chunk_unchanged() -> None:
     stream = terminal + b"data: [DONE]\n\n"
     relay = SseRelay(strip_usage=True)
     assert relay_all(relay, [stream]) == stream
+
+
+@pytest.mark.parametrize("strip_usage", [True, False])
+@pytest.mark.parametrize(
+    "name", ["completion-ngram-stream-usage.sse", "chat-draft-stream-usage.sse"]
+)
+def test_what_passes_is_what_feed_would_return_unchanged(name: str, strip_usage: bool) -> None:
+    """The gateway forwards a read that ``passes`` as it came, skipping ``feed``: the
+    client must get the same bytes as if every read had been fed."""
+    data = (FIXTURES / name).read_bytes()
+    events = [event + b"\n\n" for event in data.split(b"\n\n") if event]
+    for size in (1, 2, 3):
+        pieces = [b"".join(events[i : i + size]) for i in range(0, len(events), size)]
+        fed, skipping = SseRelay(strip_usage=strip_usage), SseRelay(strip_usage=strip_usage)
+        reference = [fed.feed(piece) for piece in pieces]
+        passed = 0
+        for piece, expected in zip(pieces, reference, strict=True):
+            if skipping.passes(piece):
+                passed += 1
+                assert expected == piece
+            else:
+                assert skipping.feed(piece) == expected
+        assert skipping.finish() == fed.finish()
+        assert passed > 0
+    # A partial event never passes, and neither does what follows it.
+    relay = SseRelay(strip_usage=strip_usage)
+    assert not relay.passes(events[0][:-1])
+    assert relay.feed(events[0][:-1]) == b""
+    assert not relay.passes(events[1])

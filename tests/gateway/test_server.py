@@ -1,0 +1,122 @@
+"""The gateway's own HTTP/1.1 front end (controller/gateway/server.py) over raw sockets:
+what an HTTP client library would hide (framing, keep-alive, pipelining, HTTP/1.0,
+``Expect: 100-continue``, malformed requests), and the raw-chunk fast path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from bench.gateway import FIXTURES, ReplayUpstream, sse_events
+from controller.gateway.app import Gateway, _whole_chunks
+from controller.gateway.routing import Fleet, Pool
+from testbed.server import free_port
+from tests.gateway.conftest import LoopThread, RunningGateway, gateway_runner
+
+STREAM = json.dumps({"model": "tiny-llama", "prompt": "def f(", "stream": True}).encode()
+
+
+@pytest.fixture
+def native(loop_thread: LoopThread) -> Iterator[RunningGateway]:
+    upstream = ReplayUpstream(
+        sse_events(FIXTURES / "completion-ngram-stream.sse"),
+        sse_events(FIXTURES / "completion-ngram-stream-usage.sse"),
+        interval_s=0.0,
+    )
+    port = free_port()
+    loop_thread.run(asyncio.start_server(upstream.handle, "127.0.0.1", port))
+    fleet = Fleet([Pool("p", "ngram:4", [f"http://127.0.0.1:{port}"])], clock=lambda: 0.0)
+    runner = gateway_runner("native")
+    start: Callable[[Gateway], RunningGateway] = next(runner)
+    yield start(Gateway(fleet))
+    next(runner, None)
+
+
+def exchange(port: int, data: bytes) -> bytes:
+    """Send ``data``, read until the server closes the connection (the last request
+    asks for that: a client that half-closes counts as gone, as under uvicorn)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def post(path: str, body: bytes, version: str = "1.1", extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/{version}\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def dechunk(body: bytes) -> bytes:
+    out, at = b"", 0
+    while True:
+        line = body.index(b"\r\n", at)
+        size = int(body[at:line], 16)
+        out += body[line + 2 : line + 2 + size]
+        at = line + 4 + size
+        if size == 0:
+            return out
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection(
+    native: RunningGateway,
+) -> None:
+    get = b"GET /v1/models HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n"
+    received = exchange(native.port, post("/v1/completions", STREAM) + get)
+    first, _, rest = received.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding: chunked" in first.lower()
+    events = dechunk(rest)
+    assert events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' not in events
+    second = rest[rest.index(b"0\r\n\r\n") + 5 :]
+    assert second.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert second.endswith(b'"object":"model"}]}')
+
+
+def test_http10_client_gets_the_same_stream_delimited_by_close(native: RunningGateway) -> None:
+    chunked = exchange(native.port, post("/v1/completions", STREAM, extra="connection: close\r\n"))
+    plain = exchange(native.port, post("/v1/completions", STREAM, version="1.0"))
+    head, _, body = plain.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+    assert body == dechunk(chunked.partition(b"\r\n\r\n")[2])
+
+
+def test_expect_continue_is_answered_before_the_body_is_sent(native: RunningGateway) -> None:
+    request = post("/v1/completions", STREAM, extra="expect: 100-continue\r\nconnection: close\r\n")
+    head, body = request[: -len(STREAM)], STREAM
+    with socket.create_connection(("127.0.0.1", native.port), timeout=30) as sock:
+        sock.sendall(head)
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+def test_malformed_request_is_a_400_and_closes(native: RunningGateway) -> None:
+    received = exchange(native.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"connection: close" in received
+
+
+def test_whole_chunks_accepts_only_complete_chunks() -> None:
+    one = b"data: {}\n\n"
+    framed = b"%x\r\n%s\r\n" % (len(one), one)
+    assert _whole_chunks(framed) == one
+    assert _whole_chunks(framed * 3) == one * 3
+    assert _whole_chunks(framed[:-1]) is None, "cut before the chunk's CRLF"
+    assert _whole_chunks(framed + framed[:4]) is None, "a second chunk cut short"
+    assert _whole_chunks(b"0\r\n\r\n") is None, "the last chunk ends the body: parsed"
+    assert _whole_chunks(b"a;ext=1\r\n0123456789\r\n") is None, "extensions: parsed"
+    assert _whole_chunks(b"0x3\r\nabc\r\n") is None
+    assert _whole_chunks(b" 3\r\nabc\r\n") is None
