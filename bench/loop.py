@@ -7,7 +7,7 @@ routing by the bandit's choice (a fresh policy: its learning and exploration are
 of the bill, and the gateway shares the load generator's process). The traffic has
 phases, as production does: one stream of self-repeating code prompts, then sixteen
 concurrent streams, then one again. The three targets take turns within each phase
-(see ``HALVES``). Goodput is completion tokens per wall-clock second of each target's
+(see ``SLICES``). Goodput is completion tokens per wall-clock second of each target's
 own turns.
 
 JSON: ``{"pools": {name: goodput}, "specpilot": goodput,
@@ -48,11 +48,14 @@ class Phase:
 
 
 PHASES = (Phase(1, 60), Phase(16, 12), Phase(1, 60))
+# Each phase's requests per stream divide evenly into SLICES turns.
 """Quiet, busy, quiet: n-gram wins the quiet phases, off the busy one (with the knee)."""
 
-HALVES = 2
+SLICES = 4
 """Each phase runs in this many slices; targets take turns in each (n-gram, off,
-specpilot, then the reverse), so a shared machine's background load falls on all alike."""
+specpilot, then the reverse), so a shared machine's background load falls on all alike.
+On this VM the same pool's goodput moves by ±25 % from one few-second turn to the next,
+so shorter, more turns average that out better than two long ones."""
 
 
 def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
@@ -104,13 +107,13 @@ async def play(
     for index, phase in enumerate(PHASES):
         if tally is not None:
             tally.phase = index
-        each = phase.requests_each // HALVES
-        for half in range(HALVES):
-            order = list(urls) if (index * HALVES + half) % 2 == 0 else list(urls)[::-1]
+        each = phase.requests_each // SLICES
+        for slice_ in range(SLICES):
+            order = list(urls) if (index * SLICES + slice_) % 2 == 0 else list(urls)[::-1]
             for name in order:
                 started = time.perf_counter()
                 tokens[name][index] += await run_streams(
-                    urls[name], phase.streams, each, seed=index * 100 + half * 10
+                    urls[name], phase.streams, each, seed=index * 100 + slice_ * 10
                 )
                 seconds[name][index] += time.perf_counter() - started
     return {

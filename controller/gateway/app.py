@@ -269,9 +269,10 @@ class Gateway:
                 finally:
                     self.upstreams.release(instance.host, instance.port, connection)
                 return
-            except UpstreamFailed:
+            except UpstreamFailed as exc:
                 ok = False
                 tried.append(instance)
+                _log_failure(pool, instance, exc)
             finally:
                 self.fleet.release(pool, instance, ok=ok)
         await _send_unavailable(response)
@@ -321,9 +322,10 @@ class Gateway:
                             document = await _relay_whole(response, connection, head, parse=True)
                     finally:
                         self.upstreams.release(instance.host, instance.port, connection)
-                except UpstreamFailed:
+                except UpstreamFailed as exc:
                     ok = False
                     tried.append(instance)
+                    _log_failure(pool, instance, exc)
                     continue
                 except UpstreamError:
                     # Broken after the first byte reached the client: too late to retry.
@@ -416,6 +418,16 @@ class Gateway:
             self.sink(observation)
         except Exception:
             logger.exception("observation sink failed")
+
+
+def _log_failure(pool: Pool, instance: Instance, error: UpstreamFailed) -> None:
+    """An attempt failed before the client saw a byte (it is retried elsewhere)."""
+    logger.warning(
+        "pool %s: %s failed (%s); retrying elsewhere, the failure counts toward ejection",
+        pool.name,
+        instance.base_url,
+        error,
+    )
 
 
 # Asks for the usage chunk (per-request metrics ride on it) without turning on

@@ -28,6 +28,8 @@ from testbed.server import KNEE_TOKENS, SERVED_MODEL
 from testbed.traffic import run_streams
 from tests.conftest import VllmServers
 
+# Left out of scripts/test-all: which pool is faster at 16 streams changes from run to run
+# on this VM even with the knee (docs/testbed.md); passed 2 of 3 runs under heavy load.
 pytestmark = [pytest.mark.vllm, pytest.mark.convergence]
 
 
