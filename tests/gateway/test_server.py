@@ -4,32 +4,24 @@ what an HTTP client library would hide (framing, keep-alive, pipelining, HTTP/1.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from bench.gateway import FIXTURES, ReplayUpstream, sse_events
 from controller.gateway.app import Gateway, _whole_chunks
 from controller.gateway.routing import Fleet, Pool
-from testbed.server import free_port
 from tests.gateway.conftest import LoopThread, RunningGateway, gateway_runner
+from tests.gateway.test_gateway_fakes import start_replay
 
 STREAM = json.dumps({"model": "tiny-llama", "prompt": "def f(", "stream": True}).encode()
 
 
 @pytest.fixture
 def native(loop_thread: LoopThread) -> Iterator[RunningGateway]:
-    upstream = ReplayUpstream(
-        sse_events(FIXTURES / "completion-ngram-stream.sse"),
-        sse_events(FIXTURES / "completion-ngram-stream-usage.sse"),
-        interval_s=0.0,
-    )
-    port = free_port()
-    loop_thread.run(asyncio.start_server(upstream.handle, "127.0.0.1", port))
-    fleet = Fleet([Pool("p", "ngram:4", [f"http://127.0.0.1:{port}"])], clock=lambda: 0.0)
+    _, upstream_url = start_replay(loop_thread)
+    fleet = Fleet([Pool("p", "ngram:4", [upstream_url])], clock=lambda: 0.0)
     runner = gateway_runner("native")
     start: Callable[[Gateway], RunningGateway] = next(runner)
     yield start(Gateway(fleet))
