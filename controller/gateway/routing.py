@@ -206,16 +206,26 @@ class Fleet:
         An unknown pool name, or a pool with no usable instance, falls back to the default
         pool: a stale routing decision must degrade service, not break it. Ties go to the
         first instance in configuration order, which keeps the choice deterministic.
+
+        When every instance of both is ejected (a pool of one instance that failed once,
+        say), the one whose cool-down ends first is tried anyway, as Envoy's panic
+        threshold does: a certain 503 is worse than retrying an instance that failed a
+        moment ago. Only ``exclude`` (this request's failed attempts) is never retried.
         """
         now = self._clock()
         pool = self.pools.get(pool_name) or self.pools[self.default_pool]
-        best = self._least_loaded(pool, now, exclude)
-        if best is None and pool.name != self.default_pool:
-            pool = self.pools[self.default_pool]
-            best = self._least_loaded(pool, now, exclude)
-        if best is None:
-            raise NoInstanceAvailable(f"no available instance in pool {pool_name!r}")
-        return pool, best
+        candidates = [pool]
+        if pool.name != self.default_pool:
+            candidates.append(self.pools[self.default_pool])
+        for candidate in candidates:
+            best = self._least_loaded(candidate, now, exclude)
+            if best is not None:
+                return candidate, best
+        for candidate in candidates:
+            remaining = [i for i in candidate.instances if i not in exclude]
+            if remaining:
+                return candidate, min(remaining, key=lambda i: i.ejected_until)
+        raise NoInstanceAvailable(f"no available instance in pool {pool_name!r}")
 
     @staticmethod
     def _least_loaded(pool: Pool, now: float, exclude: Sequence[Instance]) -> Instance | None:

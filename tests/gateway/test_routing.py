@@ -130,3 +130,18 @@ def test_instance_urls_are_validated() -> None:
         Pool("p", "off", [])
     with pytest.raises(ValueError):
         Fleet([Pool("a", "off", ["http://127.0.0.1:1"])], default_pool="b", clock=FakeClock())
+
+
+def test_when_everything_is_ejected_the_first_to_recover_is_tried_anyway() -> None:
+    clock = FakeClock()
+    f = fleet(clock)
+    for name in ("ngram", "off"):
+        for instance in f.pools[name].instances:
+            f.acquire(f.pools[name], instance)
+            f.release(f.pools[name], instance, ok=False)
+            clock.now += 1.0
+    pool, instance = f.pick("ngram")
+    assert pool.name == "ngram", "the chosen pool's own instance, not a 503"
+    assert instance is f.pools["ngram"].instances[0]
+    with pytest.raises(NoInstanceAvailable):
+        f.pick("ngram", exclude=[*f.pools["ngram"].instances, *f.pools["off"].instances])
