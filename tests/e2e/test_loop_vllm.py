@@ -29,7 +29,7 @@ from testbed.traffic import run_streams
 from tests.conftest import VllmServers
 
 # Left out of scripts/test-all: which pool is faster at 16 streams changes from run to run
-# on this VM even with the knee (docs/testbed.md); passed 2 of 3 runs under heavy load.
+# on this VM even with the knee (docs/testbed.md); it passed 2 of 4 runs on 29 Nov 2026.
 pytestmark = [pytest.mark.vllm, pytest.mark.convergence]
 
 
