@@ -13,6 +13,7 @@ which case they fail. Reuse from any test module::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -73,8 +74,10 @@ def running_prometheus(
     metrics_path: str = "/metrics",
     scrape_interval_s: float = 1.0,
     job: str = "vllm",
+    rule_files: Sequence[Path] = (),
 ) -> Iterator[PrometheusServer]:
-    """Start Prometheus scraping ``targets`` (``host:port``) and stop it afterwards."""
+    """Start Prometheus scraping ``targets`` (``host:port``), evaluating ``rule_files``,
+    and stop it afterwards."""
     binary = prometheus_binary()
     work_dir.mkdir(parents=True, exist_ok=True)
     interval = f"{round(scrape_interval_s * 1000)}ms"
@@ -85,7 +88,8 @@ def running_prometheus(
         f"  scrape_interval: {interval}\n"
         f"  scrape_timeout: {interval}\n"
         f"  evaluation_interval: {interval}\n"
-        "scrape_configs:\n"
+        + (f"rule_files: {json.dumps([str(f) for f in rule_files])}\n" if rule_files else "")
+        + "scrape_configs:\n"
         f"  - job_name: {job}\n"
         f"    metrics_path: {metrics_path}\n"
         f"    static_configs:\n      - targets: [{target_list}]\n"
