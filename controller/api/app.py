@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from controller.api.schemas import (
+    AlertListOut,
+    AlertOut,
     ContextPolicyOut,
     DecisionOut,
     DecisionPageOut,
@@ -361,6 +363,31 @@ def build_router() -> APIRouter:
                 for d in page.decisions
             ],
             next_before=page.next_before,
+        )
+
+    @v1.get("/alerts", response_model=AlertListOut, responses=READ_RESPONSES)
+    async def alerts(
+        service: ServiceDep,
+        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+        unresolved: bool = False,
+    ) -> AlertListOut:
+        """Alerts the service raised (acceptance drift, failed pushes and rollbacks…)."""
+        found = await store_call(
+            lambda: service.store.alerts(limit=limit, unresolved_only=unresolved)
+        )
+        return AlertListOut(
+            alerts=[
+                AlertOut(
+                    id=a.id or 0,
+                    ts=a.ts,
+                    name=a.name,
+                    severity=a.severity,
+                    message=a.message,
+                    context=a.context,
+                    resolved_at=a.resolved_at,
+                )
+                for a in found
+            ]
         )
 
     return v1

@@ -75,6 +75,23 @@ class DecisionOut(BaseModel):
     measured_speedup: float | None
 
 
+class AlertOut(BaseModel):
+    id: int
+    ts: float
+    """Unix seconds when it was raised."""
+    name: str
+    """What kind, e.g. ``AcceptanceDrift`` or ``ActuatorFailed``."""
+    severity: str
+    message: str
+    context: str | None
+    resolved_at: float | None
+
+
+class AlertListOut(BaseModel):
+    alerts: list[AlertOut]
+    """Newest first."""
+
+
 class DecisionPageOut(BaseModel):
     decisions: list[DecisionOut]
     next_before: int | None

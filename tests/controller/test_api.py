@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.api import create_app
 from controller.contexts import Context
 from controller.service import Service, build_service
-from controller.store.records import DecisionRecord, ObservationRecord
+from controller.store.records import AlertRecord, DecisionRecord, ObservationRecord
 from tests.controller.conftest import LiveServer, PgDatabase, make_settings
 from tests.controller.fakes import QueueSource, ScriptedPolicy
 
@@ -194,6 +194,20 @@ def test_decisions_paginated_newest_first(api: Api) -> None:
     ).json()
     assert [d["reason"] for d in second["decisions"]] == ["step 2", "step 1"]
     assert api.client.get("/v1/decisions", params={"limit": 0}).status_code == 422
+
+
+def test_alerts_newest_first_and_unresolved_only(api: Api) -> None:
+    store = api.service.store
+    store.record_alert(AlertRecord(1.0, "AcceptanceDrift", "warning", "code × eagle3 0.8→0.4"))
+    store.record_alert(
+        AlertRecord(2.0, "ActuatorFailed", "critical", "rolled back", "pool a", resolved_at=3.0)
+    )
+    body = api.client.get("/v1/alerts").json()
+    assert [a["name"] for a in body["alerts"]] == ["ActuatorFailed", "AcceptanceDrift"]
+    assert body["alerts"][0]["context"] == "pool a" and body["alerts"][0]["resolved_at"] == 3.0
+    open_only = api.client.get("/v1/alerts", params={"unresolved": "true"}).json()
+    assert [a["message"] for a in open_only["alerts"]] == ["code × eagle3 0.8→0.4"]
+    assert api.client.get("/v1/alerts", params={"limit": 0}).status_code == 422
 
 
 def test_stats_filtered_by_class_and_window(api: Api) -> None:
