@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -355,7 +355,55 @@ def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterat
             process.wait()
 
 
+class _Pipe(asyncio.Protocol):
+    """One side of a bare relay: whatever arrives is written to the other side."""
+
+    def __init__(self, other: asyncio.Transport | None = None) -> None:
+        self.other = other
+        self.waiting: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.other is not None:
+            self.other.write(data)
+        else:
+            self.waiting.append(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None:
+            self.other.close()
+
+
+async def serve_relay(port: int, upstream_port: int) -> None:
+    """The floor any Python proxy pays here: uvloop copying bytes both ways, no HTTP."""
+    loop = asyncio.get_running_loop()
+
+    class Client(_Pipe):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self.connecting = loop.create_task(self._connect())
+
+        async def _connect(self) -> None:
+            upstream, _ = await loop.create_connection(
+                lambda: _Pipe(self.transport), "127.0.0.1", upstream_port
+            )
+            self.other = upstream
+            for data in self.waiting:
+                self.other.write(data)
+            self.waiting.clear()
+
+    server = await loop.create_server(Client, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
 def gateway_command(port: int, upstream_url: str, server: str = "native") -> list[str]:
+    if server == "relay":
+        upstream_port = upstream_url.rsplit(":", 1)[1]
+        return [sys.executable, "-m", "bench.gateway", "--serve-relay", str(port),
+                "--relay-to", upstream_port]  # fmt: skip
     return [
         sys.executable,
         "-m",
@@ -460,13 +508,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="vllm upstream only")
     parser.add_argument(
         "--gateway-server",
-        choices=("native", "uvicorn"),
+        choices=("native", "uvicorn", "relay"),
         default="native",
-        help="the gateway's HTTP front end (`specpilot gateway --server`)",
+        help="the gateway's HTTP front end (`specpilot gateway --server`), or 'relay': a "
+        "bare byte-copying TCP relay in its place, the floor for any Python proxy",
     )
     parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
     parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", default="completion-ngram", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--relay-to", type=int, metavar="PORT", help=argparse.SUPPRESS)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -477,6 +528,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serve_relay:
+        import uvloop
+
+        uvloop.run(serve_relay(args.serve_relay, args.relay_to))
+        return 0
     if args.serve_replay:
         asyncio.run(serve_replay(args.serve_replay, args.chunk_interval_ms / 1000.0, args.fixture))
         return 0

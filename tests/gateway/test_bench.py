@@ -35,3 +35,16 @@ def test_replay_benchmark_reports_each_level() -> None:
     assert [level["requests"] for level in report["levels"]] == [8, 32]
     for level in report["levels"]:
         assert {"added_p50_ms", "added_p99_ms", "upstream_cpu_ms_per_request"} <= level.keys()
+
+
+def test_bare_relay_floor_runs_in_the_gateways_place() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gateway", "--upstream", "replay", "--json",
+         "--gateway-server", "relay", "--levels", "2", "--requests", "16",
+         "--chunk-interval-ms", "0"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["gateway_server"] == "relay"
+    (level,) = report["levels"]
+    assert level["requests"] == 16 and level["cpu_ms_per_request"] > 0
