@@ -27,8 +27,9 @@ from policies.base import Clock, Policy
 from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, StaticPolicy
 from policies.estimators import ChangeEvent
 from simulator.engine import Traffic
+from simulator.generate import random_scenario
 from simulator.run import PolicyFactory, RunResult, simulate
-from simulator.scenario import Scenario, ScenarioError, load_scenario
+from simulator.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
 from simulator.truth import ScenarioTruth
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -275,7 +276,14 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "policy", help="specpilot's policy vs. baselines and an oracle on a simulated scenario"
     )
-    parser.add_argument("--scenario", required=True, type=Path, help="scenario YAML file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scenario", type=Path, help="scenario YAML file")
+    source.add_argument(
+        "--random",
+        type=int,
+        metavar="SEED",
+        help="a random scenario drawn from SEED (simulator.generate), for unseen fleets",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' RNGs")
     parser.add_argument(
@@ -286,16 +294,20 @@ def register(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        scenario = load_scenario(args.scenario)
+        if args.scenario is not None:
+            scenario, label = load_scenario(args.scenario), args.scenario.stem
+        else:
+            scenario, label = parse_scenario(random_scenario(args.random)), f"random-{args.random}"
     except (OSError, ScenarioError) as exc:
         print(f"specpilot bench policy: {exc}", file=sys.stderr)
         return 2
     report = run_policy_bench(
         scenario, seed=args.seed, jobs=args.jobs, progress=None if args.json else _bar
     )
-    report["scenario"]["file"] = str(args.scenario)
+    report["scenario"]["file"] = str(args.scenario) if args.scenario else None
+    report["scenario"]["random_seed"] = args.random
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"policy-{args.scenario.stem}.json").write_text(
+    (RESULTS_DIR / f"policy-{label}.json").write_text(
         json.dumps(report, indent=2) + "\n", encoding="utf-8"
     )
     if args.json:

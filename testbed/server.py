@@ -79,14 +79,12 @@ KNEE_TOKENS = 16
 On a GPU a decode step costs about the same until the batch verifies more positions
 than the compute units hide (the knee); past it, every verified position costs, and
 speculation's rejected positions are paid by everyone. The tiny model on this CPU is
-bound by per-step overhead instead: measured on this machine (48-token code
-completions, `/tmp`-free probe in docs/testbed.md), n-gram γ=4 won 1.84× at one stream
-and still 1.33× at sixteen. With ``--max-num-batched-tokens 16`` a step verifies at
-most 16 positions, as a knee would: n-gram won 1.36× at one stream and lost 0.83× at
-sixteen (the seeds' shape). Servers for load-dependent tests and ``bench loop`` pass
-``batch_tokens=KNEE_TOKENS``.
+bound by per-step overhead instead. ``--max-num-batched-tokens 16`` caps what one step
+verifies, draft positions included, as a knee would. ``specpilot testbed knee``
+measures n-gram γ=4 over off with and without it; on this VM n-gram wins at one stream
+every time, and which side wins at sixteen changes from run to run (docs/testbed.md).
+Servers for load-dependent tests and ``bench loop`` pass ``batch_tokens=KNEE_TOKENS``.
 """
-
 
 class VllmServer:
     """One real vLLM OpenAI-compatible server; use as a context manager.
