@@ -86,6 +86,7 @@ every time, and which side wins at sixteen changes from run to run (docs/testbed
 Servers for load-dependent tests and ``bench loop`` pass ``batch_tokens=KNEE_TOKENS``.
 """
 
+
 class VllmServer:
     """One real vLLM OpenAI-compatible server; use as a context manager.
 
