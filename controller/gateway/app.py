@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -392,7 +391,7 @@ class Gateway:
 
     def _observe(
         self,
-        document: dict[str, Any] | None,
+        document: bytes | None,
         model: str | None,
         workload_class: str,
         pool: Pool,
@@ -401,8 +400,9 @@ class Gateway:
     ) -> None:
         assert self.sink is not None
         try:
-            if document is not None:
-                measured = observation_from_response(document)
+            parsed = _json_object(document) if document is not None else None
+            if parsed is not None:
+                measured = observation_from_response(parsed)
             else:
                 measured = RequestObservation(model, None, None, None, None, None, None)
             observation = replace(
@@ -558,25 +558,23 @@ class _StreamForwarder:
         if out and self._direct.write_now(out):
             self._hold_upstream()
 
-    def forward_raw(self, data: bytes) -> bool:
-        """Forward ``data`` (upstream bytes, chunked framing included) unchanged when it
-        is whole chunks of complete events that :meth:`feed` would pass through as they
-        are; False to have it parsed instead."""
+    def forward_raw(self, received: bytes, payload: bytes) -> bool:
+        """Forward ``received`` (whole upstream chunks, framing included) unchanged when
+        :meth:`feed` would pass ``payload`` through as it is; False to have it fed."""
+        if self._last or payload.endswith(_DONE_EVENT) or not self.relay.passes(payload):
+            return False
         assert self._direct is not None
-        if self._last:
-            return False
-        payload = _whole_chunks(data)
-        if payload is None or payload.endswith(_DONE_EVENT) or not self.relay.passes(payload):
-            return False
-        if self._direct.write_framed(data):
+        if self._direct.write_framed(received):
             self._hold_upstream()
         return True
 
-    def complete(self) -> None:
-        """The upstream body ended: end the client's response now, from the read
-        callback (the end of the stream is on the critical path of every request)."""
+    def complete(self, last: bytes) -> None:
+        """The upstream body ended (``last``: its final piece, when it came with the
+        end): end the client's response now, in one write, from the read callback (the
+        end of the stream is on the critical path of every request)."""
         assert self._direct is not None
-        self._direct.end_now(self.finish())
+        out = self.feed(last) if last else b""
+        self._direct.end_now(out + self.finish())
 
     def _hold_upstream(self) -> None:
         # The client's socket buffer is full: stop reading the upstream until it drains.
@@ -585,31 +583,10 @@ class _StreamForwarder:
         self._direct.on_drained(self._connection.resume_reading)
 
 
-def _whole_chunks(data: bytes) -> bytes | None:
-    """The payload of ``data`` when it is one or more complete, non-empty chunks of a
-    chunked body without extensions (what vLLM's uvicorn sends per event); else None."""
-    at, end = 0, len(data)
-    parts = []
-    while at < end:
-        line = data.find(b"\r\n", at, at + 10)
-        if line <= at or data[at:line].strip(_HEX_DIGITS):
-            return None
-        start = line + 2
-        stop = start + int(data[at:line], 16)
-        if stop == start or data[stop : stop + 2] != b"\r\n":
-            return None
-        parts.append(data[start:stop])
-        at = stop + 2
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
-
-
 async def _relay_stream(
     response: Response, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
-) -> dict[str, Any] | None:
-    """Forward an SSE body event by event; returns the usage chunk when one came."""
+) -> bytes | None:
+    """Forward an SSE body event by event; returns the usage chunk's JSON when one came."""
     if not _content_type(head).startswith(b"text/event-stream"):
         return await _relay_whole(response, connection, head, parse=True)
     forwarder = _StreamForwarder(strip_usage)
@@ -624,14 +601,14 @@ async def _relay_stream(
             if out:
                 await response.write(out)
     await response.end(forwarder.finish())
-    return forwarder.relay.usage_chunk
+    return forwarder.relay.usage_data
 
 
 async def _relay_whole(
     response: Response, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
-) -> dict[str, Any] | None:
-    """Forward a body unchanged; with ``parse``, then read it as JSON (after the client
-    has it, so parsing is off the latency path)."""
+) -> bytes | None:
+    """Forward a body unchanged; with ``parse``, also return it (a 200's) for the
+    observation, which decodes it after the client has its response."""
     await _send_start(response, head, keep_length=True)
     parts: list[bytes] = []
     while (chunk := await connection.chunk()) is not None:
@@ -641,11 +618,15 @@ async def _relay_whole(
     await response.end(b"")
     if not parse or head.status != 200:
         return None
-    with contextlib.suppress(ValueError):
-        document = json.loads(b"".join(parts))
-        if isinstance(document, dict):
-            return document
-    return None
+    return b"".join(parts)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) else None
 
 
 async def _send_unavailable(response: Response) -> None:

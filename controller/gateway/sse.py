@@ -9,9 +9,11 @@ the client exactly what vLLM would have sent it, :class:`SseRelay` holds a termi
 back until the usage chunk arrives (vLLM sends it right after), stamps the fingerprint
 onto it the way vLLM would have, and drops the usage chunk.
 
-Only complete events are forwarded; an event split across reads waits for its end. The
-common event goes through as the bytes vLLM sent, unparsed: the relay looks for two byte
-markers and decodes JSON only for the one usage chunk.
+Only complete events are forwarded; an event split across reads waits for its end. Every
+event goes through as the bytes vLLM sent, unparsed: the relay looks for byte markers, and
+the usage chunk is decoded only when asked for (:attr:`SseRelay.usage_chunk`), after the
+client has its response: decoding it (its metrics are mostly floats) took 12 µs here with
+warm caches, on the path of every stream's end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ _EVENT_END = b"\n\n"
 # markers only match keys: a choice whose finish_reason is a string, and the usage chunk.
 _FINISH_MARK = b'"finish_reason":"'
 _USAGE_MARK = b'"choices":[]'
+_USAGE_KEY = b'"usage":{'
+_FINGERPRINT_KEY = b'"system_fingerprint":'
 _DONE = b"data: [DONE]"
 _DATA = b"data: "
 
@@ -35,13 +39,25 @@ class SseRelay:
     usage chunk, when one arrived, is in :attr:`usage_chunk` afterwards either way.
     """
 
-    __slots__ = ("_held", "_pending", "strip_usage", "usage_chunk")
+    __slots__ = ("_held", "_pending", "strip_usage", "usage_data")
 
     def __init__(self, *, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
-        self.usage_chunk: dict[str, Any] | None = None
+        self.usage_data: bytes | None = None
+        """The usage chunk's JSON as received, when one came."""
         self._pending = b""
         self._held: list[bytes] = []
+
+    @property
+    def usage_chunk(self) -> dict[str, Any] | None:
+        """The usage chunk, decoded (None when none came or it is not a JSON object)."""
+        if self.usage_data is None:
+            return None
+        try:
+            chunk = json.loads(self.usage_data)
+        except ValueError:
+            return None
+        return chunk if isinstance(chunk, dict) else None
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to forward now: every event completed by ``data``, possibly rewritten."""
@@ -84,14 +100,13 @@ class SseRelay:
         held = self._held
         for event in complete.split(_EVENT_END)[:-1]:
             framed = event + _EVENT_END
-            if _USAGE_MARK in event and event.startswith(_DATA):
-                chunk = _usage_chunk(event[len(_DATA) :])
-                if chunk is not None:
-                    self.usage_chunk = chunk
-                    if self.strip_usage:
-                        out.extend(_stamp(e, chunk.get("system_fingerprint")) for e in held)
-                        held.clear()
-                        continue
+            if _USAGE_MARK in event and _USAGE_KEY in event and event.startswith(_DATA):
+                self.usage_data = event[len(_DATA) :]
+                if self.strip_usage:
+                    fingerprint = _fingerprint(event)
+                    out.extend(_stamp(e, fingerprint) for e in held)
+                    held.clear()
+                    continue
             if self.strip_usage and (held or _FINISH_MARK in event):
                 if event.startswith(_DONE):
                     # No usage chunk came (an error ended the stream): forward as is.
@@ -105,28 +120,38 @@ class SseRelay:
         return b"".join(out)
 
 
-def _usage_chunk(data: bytes) -> dict[str, Any] | None:
-    try:
-        chunk = json.loads(data)
-    except ValueError:
+def _fingerprint(event: bytes) -> bytes | None:
+    """The ``system_fingerprint`` string of a usage chunk as JSON text (quotes included),
+    read off the bytes; None when it is absent or not a string."""
+    at = event.find(_FINGERPRINT_KEY)
+    if at < 0:
         return None
-    if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-        return chunk
-    return None
+    at += len(_FINGERPRINT_KEY)
+    if event[at : at + 1] != b'"':
+        return None  # null
+    end = event.find(b'"', at + 1)
+    if end > 0 and event[end - 1 : end] == b"\\":
+        # An escaped quote inside the string (never in vLLM's own fingerprints): decode.
+        try:
+            value = json.loads(event[len(_DATA) :]).get("system_fingerprint")
+        except (ValueError, AttributeError):
+            return None
+        return json.dumps(value).encode() if isinstance(value, str) else None
+    return event[at : end + 1] if end > 0 else None
 
 
-def _stamp(framed: bytes, fingerprint: object) -> bytes:
-    """Put ``system_fingerprint`` where vLLM's serializer puts it on a terminal chunk.
+def _stamp(framed: bytes, fingerprint: bytes | None) -> bytes:
+    """Put ``system_fingerprint`` (JSON text) where vLLM's serializer puts it on a
+    terminal chunk.
 
     The field follows ``choices`` (and ``usage``, absent here) in vLLM's response model,
     and the later fields (``metrics``, ``prompt_token_ids``…) are not set on a terminal
     chunk, so it goes right after the closing ``}]`` of the choices array.
     """
-    if not isinstance(fingerprint, str) or _FINISH_MARK not in framed:
+    if fingerprint is None or _FINISH_MARK not in framed:
         return framed
     at = framed.rfind(b"}]")
     if at < 0:
         return framed
     at += 2
-    stamp = b',"system_fingerprint":' + json.dumps(fingerprint).encode()
-    return framed[:at] + stamp + framed[at:]
+    return b"".join((framed[:at], b",", _FINGERPRINT_KEY, fingerprint, framed[at:]))

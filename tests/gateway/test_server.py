@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from controller.gateway.app import Gateway, _whole_chunks
+from controller.gateway.app import Gateway
 from controller.gateway.routing import Fleet, Pool
 from tests.gateway.conftest import LoopThread, RunningGateway, gateway_runner
 from tests.gateway.test_gateway_fakes import start_replay
@@ -99,16 +99,3 @@ def test_malformed_request_is_a_400_and_closes(native: RunningGateway) -> None:
     received = exchange(native.port, b"NOT HTTP AT ALL\r\n\r\n")
     assert received.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     assert b"connection: close" in received
-
-
-def test_whole_chunks_accepts_only_complete_chunks() -> None:
-    one = b"data: {}\n\n"
-    framed = b"%x\r\n%s\r\n" % (len(one), one)
-    assert _whole_chunks(framed) == one
-    assert _whole_chunks(framed * 3) == one * 3
-    assert _whole_chunks(framed[:-1]) is None, "cut before the chunk's CRLF"
-    assert _whole_chunks(framed + framed[:4]) is None, "a second chunk cut short"
-    assert _whole_chunks(b"0\r\n\r\n") is None, "the last chunk ends the body: parsed"
-    assert _whole_chunks(b"a;ext=1\r\n0123456789\r\n") is None, "extensions: parsed"
-    assert _whole_chunks(b"0x3\r\nabc\r\n") is None
-    assert _whole_chunks(b" 3\r\nabc\r\n") is None

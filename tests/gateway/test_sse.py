@@ -105,3 +105,29 @@ def test_what_passes_is_what_feed_would_return_unchanged(name: str, strip_usage:
     assert not relay.passes(events[0][:-1])
     assert relay.feed(events[0][:-1]) == b""
     assert not relay.passes(events[1])
+
+
+@pytest.mark.parametrize(
+    ("fingerprint", "stamped"),
+    [
+        (b'"fp-1"', b'"system_fingerprint":"fp-1"'),
+        (b'"a\\"b"', b'"system_fingerprint":"a\\"b"'),  # an escaped quote: decoded
+        (b"null", None),  # nothing to stamp, as vLLM would not
+    ],
+)
+def test_terminal_chunk_gets_the_usage_chunks_fingerprint_as_json(
+    fingerprint: bytes, stamped: bytes | None
+) -> None:
+    terminal = b'data: {"id":"a","choices":[{"index":0,"text":"x","finish_reason":"length"}]}\n\n'
+    usage = (
+        b'data: {"id":"a","choices":[],"usage":{"completion_tokens":1},"system_fingerprint":'
+        + fingerprint
+        + b"}\n\n"
+    )
+    relay = SseRelay(strip_usage=True)
+    out = relay_all(relay, [terminal, usage, b"data: [DONE]\n\n"])
+    if stamped is None:
+        assert out == terminal + b"data: [DONE]\n\n"
+    else:
+        assert out == terminal.replace(b"}]}", b"}]," + stamped + b"}") + b"data: [DONE]\n\n"
+    assert relay.usage_chunk is not None and relay.usage_chunk["usage"]["completion_tokens"] == 1
