@@ -161,7 +161,11 @@ class GatewayProtocol(asyncio.Protocol):
         self._pending: collections.deque[tuple[Request, bool, bool]] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self._response: _ClientResponse | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = None
+        """Loop time this connection last went idle between requests; None while a
+        request is being read or served. :class:`_ServerState` closes it after
+        ``keep_alive_s`` (one sweep for all connections rather than a timer per request:
+        arming and cancelling a timer cost every request on its critical path)."""
         self._drain: asyncio.Future[None] | None = None
         self._drained: list[Callable[[], None]] = []
         self._closing = False
@@ -175,10 +179,10 @@ class GatewayProtocol(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
         self._state.connections.add(self)
-        self._arm_idle_timer()
+        self.idle_since = self._loop.time()
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle_timer()
+        self.idle_since = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -190,7 +194,6 @@ class GatewayProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._state.discard(self)
-        self._cancel_idle_timer()
         self._pending.clear()
         self._wake_drain()
         response = self._response
@@ -285,7 +288,7 @@ class GatewayProtocol(asyncio.Protocol):
             if not self._pending:
                 transport.resume_reading()
         else:
-            self._arm_idle_timer()
+            self.idle_since = self._loop.time()
 
     # plumbing ---------------------------------------------------------------------------
 
@@ -331,18 +334,9 @@ class GatewayProtocol(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        self._idle_timer = self._loop.call_later(self._state.keep_alive_s, self._idle)
-
-    def _cancel_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-
-    def _idle(self) -> None:
-        self._idle_timer = None
-        if self._task is None:
+    def close_if_idle_since(self, before: float) -> None:
+        """Close this connection when it has been idle since ``before`` or earlier."""
+        if self.idle_since is not None and self.idle_since <= before and self._task is None:
             self._close()
 
     def shutdown(self) -> None:
@@ -352,7 +346,7 @@ class GatewayProtocol(asyncio.Protocol):
 
 
 class _ServerState:
-    __slots__ = ("connections", "drained", "keep_alive_s", "shutting_down")
+    __slots__ = ("_sweeper", "connections", "drained", "keep_alive_s", "shutting_down")
 
     def __init__(self, keep_alive_s: float) -> None:
         self.keep_alive_s = keep_alive_s
@@ -360,6 +354,26 @@ class _ServerState:
         self.shutting_down = False
         self.drained = asyncio.Event()
         """Set when the last connection closed after shutdown began."""
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def start_sweeping(self) -> None:
+        """Close connections idle for ``keep_alive_s``, checking a few times per period
+        (at most every second): an idle connection lives keep_alive_s plus at most that."""
+        loop = asyncio.get_running_loop()
+        interval = min(1.0, self.keep_alive_s / 4)
+
+        def sweep() -> None:
+            before = loop.time() - self.keep_alive_s
+            for connection in list(self.connections):
+                connection.close_if_idle_since(before)
+            self._sweeper = loop.call_later(interval, sweep)
+
+        self._sweeper = loop.call_later(interval, sweep)
+
+    def stop_sweeping(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     def discard(self, connection: GatewayProtocol) -> None:
         self.connections.discard(connection)
@@ -401,6 +415,7 @@ class GatewayServer:
             server = await loop.create_server(
                 lambda: GatewayProtocol(gateway, state), host, port, backlog=backlog
             )
+        state.start_sweeping()
         return cls(gateway, server, state)
 
     @property
@@ -409,6 +424,7 @@ class GatewayServer:
 
     async def close(self, grace_s: float = 30.0) -> None:
         self._state.shutting_down = True
+        self._state.stop_sweeping()
         self._server.close()
         for connection in list(self._state.connections):
             connection.shutdown()

@@ -4,6 +4,7 @@ what an HTTP client library would hide (framing, keep-alive, pipelining, HTTP/1.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ import pytest
 
 from controller.gateway.app import Gateway
 from controller.gateway.routing import Fleet, Pool
+from controller.gateway.server import GatewayServer
 from tests.gateway.conftest import LoopThread, RunningGateway, gateway_runner
 from tests.gateway.test_gateway_fakes import start_replay
 
@@ -99,3 +101,23 @@ def test_malformed_request_is_a_400_and_closes(native: RunningGateway) -> None:
     received = exchange(native.port, b"NOT HTTP AT ALL\r\n\r\n")
     assert received.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     assert b"connection: close" in received
+
+
+def test_idle_keep_alive_connections_are_closed_after_keep_alive_s_and_busy_ones_kept() -> None:
+    async def run() -> tuple[bytes, bool]:
+        fleet = Fleet([Pool("p", "off", ["http://127.0.0.1:9"])], clock=lambda: 0.0)
+        server = await GatewayServer.start(Gateway(fleet), keep_alive_s=0.2)
+        try:
+            idle_reader, _ = await asyncio.open_connection("127.0.0.1", server.port)
+            busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", server.port)
+            busy_writer.write(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 10\r\n\r\n{")
+            # Closed by the server: the idle one within keep_alive_s plus one sweep.
+            idle_end = await asyncio.wait_for(idle_reader.read(), timeout=5)
+            await asyncio.sleep(0.5)
+            return idle_end, busy_reader.at_eof()
+        finally:
+            await server.close(grace_s=0.1)
+
+    idle_end, busy_closed = asyncio.run(run())
+    assert idle_end == b""
+    assert not busy_closed, "a connection in the middle of a request is not idle"
