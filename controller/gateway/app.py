@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
 
+import orjson
+
 from collectors.observations import RequestObservation
 from controller.gateway.classify import (
     DEFAULT_CLASS,
@@ -282,7 +284,7 @@ class Gateway:
         started = self._wall_clock()
         raw_body = request.body
         try:
-            body = json.loads(raw_body)
+            body = orjson.loads(raw_body)
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -625,7 +627,7 @@ async def _relay_whole(
 
 def _json_object(data: bytes) -> dict[str, Any] | None:
     try:
-        document = json.loads(data)
+        document = orjson.loads(data)
     except ValueError:
         return None
     return document if isinstance(document, dict) else None

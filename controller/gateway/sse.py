@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 _EVENT_END = b"\n\n"
 # Raw quotes cannot occur inside a JSON string value (they are escaped there), so these
 # markers only match keys: a choice whose finish_reason is a string, and the usage chunk.
@@ -54,7 +56,7 @@ class SseRelay:
         if self.usage_data is None:
             return None
         try:
-            chunk = json.loads(self.usage_data)
+            chunk = orjson.loads(self.usage_data)
         except ValueError:
             return None
         return chunk if isinstance(chunk, dict) else None

@@ -295,3 +295,24 @@ def test_slow_client_gets_a_large_stream_whole_and_in_order(
             received += piece
     assert received == b"".join(events)
     wait_until(lambda: fleet.pools["p"].in_flight == 0, what="the attempt to be released")
+
+
+def test_body_the_gateway_cannot_decode_goes_upstream_unchanged_and_unobserved(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    # Python's json takes NaN; orjson (the gateway's decoder) refuses it. Not the
+    # gateway's to judge: vLLM answers such a request itself, as it would directly.
+    _, url = start_replay(loop_thread)
+    gateway = run_gateway(Gateway(Fleet([Pool("p", "ngram:4", [url])], clock=FakeClock())))
+    body = b'{"model":"tiny-llama","prompt":"x","stream":true,"temperature":NaN}'
+
+    def post(base_url: str) -> bytes:
+        response = httpx.post(f"{base_url}/v1/completions", content=body, timeout=30.0)
+        assert response.status_code == 200
+        return response.content
+
+    assert post(gateway.base_url) == post(url)
+    assert b'"choices":[]' not in post(gateway.base_url), "no usage chunk was asked for"
+    stream_text(gateway.base_url, STREAM_BODY)
+    (observation,) = gateway.wait_observations(1)
+    assert observation.output_tokens == 24, "only the decodable request was observed"
