@@ -182,6 +182,11 @@ def run_benchmark() -> dict[str, Any]:
     train_classifier(default_recipe())
     train_s = time.perf_counter() - start
     model_latency = time_per_prompt(lambda r: classifier.predict(r.prompt, r.temperature), test)
+    # The same model through scikit-learn's pipeline, one prompt per call: what predict()
+    # cost before it evaluated the fitted model directly.
+    pipeline_latency = time_per_prompt(
+        lambda r: classifier.probabilities([r.prompt], [r.temperature]), test
+    )
     rules_latency = time_per_prompt(lambda r: keyword_rules(r.prompt), test)
     return {
         "benchmark": "classifier",
@@ -197,12 +202,19 @@ def run_benchmark() -> dict[str, Any]:
             }
             for name, s in scores.items()
         },
-        "latency_per_prompt": {"model": model_latency, "keyword_rules": rules_latency},
+        "latency_per_prompt": {
+            "model": model_latency,
+            "model_pipeline": pipeline_latency,
+            "keyword_rules": rules_latency,
+        },
         "train_seconds": round(train_s, 3),
         "ratios": {
             "macro_f1_vs_keyword_rules": _ratio(scores, "keyword_rules"),
             "macro_f1_vs_text_only": _ratio(scores, "model_text_only"),
             "macro_f1_vs_majority_class": _ratio(scores, "majority_class"),
+            "cpu_per_prompt_pipeline_over_model": round(
+                pipeline_latency["cpu_mean_ms"] / model_latency["cpu_mean_ms"], 2
+            ),
         },
     }
 
@@ -262,6 +274,10 @@ def _print_table(result: dict[str, Any]) -> None:
         f"macro-F1 ratio: {ratios['macro_f1_vs_keyword_rules']:.2f}x keyword rules, "
         f"{ratios['macro_f1_vs_text_only']:.2f}x text-only, "
         f"{ratios['macro_f1_vs_majority_class']:.2f}x majority class"
+    )
+    print(
+        "CPU per prompt: the pipeline takes "
+        f"{ratios['cpu_per_prompt_pipeline_over_model']:.1f}x what the model's own path takes"
     )
 
 

@@ -11,6 +11,7 @@ from policies.classifier import (
     JsonLinesError,
     LabelledPrompt,
     WorkloadClassifier,
+    default_classifier,
     dumps_recipe,
     loads_recipe,
     parse_labelled_lines,
@@ -18,6 +19,7 @@ from policies.classifier import (
     shape_features,
     train_classifier,
 )
+from tests.classifier.conftest import SMALL_EXAMPLES
 
 PROBES = [
     "while True:\n    x += 1\n",
@@ -121,3 +123,28 @@ def test_shape_features_see_code_json_and_temperature() -> None:
     assert data["json_keys_per_line"] > code["json_keys_per_line"]
     assert code["temperature"] == 1.0  # unset means the API default
     assert prose["temperature"] == 0.9
+
+
+def _pipeline_probabilities(
+    classifier: WorkloadClassifier, prompts: list[str], temperatures: list[float | None]
+) -> np.ndarray:  # type: ignore[type-arg]
+    return classifier.probabilities(prompts, temperatures)  # scikit-learn's predict_proba
+
+
+def test_fast_prediction_is_the_pipelines_arithmetic_on_every_training_prompt() -> None:
+    # The default model (five classes) and a two-class one (sklearn's binary branch).
+    two = train_classifier(
+        ClassifierRecipe(
+            tuple(e for e in SMALL_EXAMPLES if e.workload_class in {"code", "creative"}), seed=1
+        )
+    )
+    for classifier in (default_classifier(), two):
+        examples = classifier.recipe.examples
+        prompts = [e.prompt for e in examples] + ["", "   ", "{}" * 3000, "héllo wörld " * 50]
+        temperatures = [e.temperature for e in examples] + [None, 0.0, 1.5, None]
+        expected = _pipeline_probabilities(classifier, prompts, temperatures)
+        for row, (prompt, temperature) in enumerate(zip(prompts, temperatures, strict=True)):
+            prediction = classifier.predict(prompt, temperature)
+            best = int(expected[row].argmax())
+            assert prediction.workload_class == classifier.classes[best], prompt[:60]
+            assert prediction.probability == pytest.approx(expected[row, best], abs=1e-9)
