@@ -17,7 +17,10 @@ because classes share a batch, the arms of all classes in a bucket are chosen jo
 from their posteriors and explores the arm that world prefers (at the mean step cost:
 see ``_plan``); evidence is discounted with a
 half-life so the bandit keeps adapting, and a CUSUM change detector per class ×
-proposer resets acceptance that went stale.
+proposer resets acceptance that went stale. The step cost's knee can only be seen by
+running past it: where every batch so far stayed below it, the cost model puts it at the
+edge of what was seen, and knee trials (``_start_trial``) now and then run a bucket one
+knee cell bolder, within a bounded worst-case loss, so the estimate can rise.
 
 Guard rails: a class speculates only while the lower confidence bound (a posterior
 quantile) of its effect on the bucket's goodput is at least 1; a committed decision
@@ -76,6 +79,8 @@ DEFAULT_MODEL = "default"
 # Selections over which the exploration rate is averaged.
 _EXPLORE_WINDOW = 200.0
 DEFAULT_CLASS = "default"
+# The pseudo-class of a class's exploring requests while exploration is weighed.
+_EXPLORING = "\x00exploring"
 WILDCARD = "*"
 
 
@@ -115,6 +120,13 @@ class BanditConfig:
     class's requests went by without it, so drifts of idle proposers get noticed."""
     probe_max_slowdown: float = 0.02
     """A probe may make the batch's steps at most this much slower."""
+    explore_max_loss: float = 0.01
+    """Exploring a class's Thompson arm (on the share of its requests the cap lets
+    explore) may cost the bucket at most this much goodput where the knee is lowest."""
+    trial_max_loss: float = 0.1
+    """A knee trial (see ``SpecPilotPolicy._start_trial``) runs only if, should the
+    knee sit right at the edge of the batches seen so far, the trial's assignment
+    costs the bucket at most this much goodput while it lasts."""
     trials_per_request: float = 20.0
     min_evidence_requests: float = 8.0
     """Dwell and hysteresis only hold arms whose class × proposer acceptance rests on at
@@ -179,6 +191,14 @@ class _Commitment:
 
 
 @dataclass(slots=True)
+class _Trial:
+    """A bucket serving one batch's worth of requests a plan one knee cell bolder."""
+
+    assignment: dict[str, Arm]
+    remaining: int
+
+
+@dataclass(slots=True)
 class _Plan:
     """One bucket's latest joint plan."""
 
@@ -186,6 +206,8 @@ class _Plan:
     observations: int
     thompson: dict[str, Arm]
     probe_ok: dict[str, bool] = field(default_factory=dict)
+    concurrency: float = 0.0
+    """The bucket's concurrency the plan was made for."""
 
 
 class SpecPilotPolicy:
@@ -218,12 +240,23 @@ class SpecPilotPolicy:
         self._token_shares: dict[str, dict[str, float]] = {}
         self._shares_at: dict[str, float] = {}
         self._bucket_concurrency: dict[tuple[str, str], float] = {}
+        self._pending_concurrency: dict[str, tuple[float, list[str]]] = {}
+        """Per model: buckets of requests served at one instant, whose concurrency is
+        read once time moves on (see ``_settle_concurrency``)."""
         self._observations: dict[str, int] = {}
         self._plans: dict[tuple[str, str], _Plan] = {}
         self._commitments: dict[Context, _Commitment] = {}
         self._class_requests: dict[tuple[str, str], int] = {}
         self._last_served: dict[tuple[str, str, str], int] = {}
         self._overrides: list[Override] = []
+        self._trials: dict[tuple[str, str], _Trial] = {}
+        self._knee_seen: dict[str, float] = {}
+        """Per model: the knee estimate the latest plan used."""
+        self._bucket_requests: dict[tuple[str, str], int] = {}
+        self._next_trial: dict[tuple[str, str], tuple[int, float]] = {}
+        """Per (model, bucket): requests served; the count from which a new knee trial
+        may start (trials take at most ``explore_cap`` of a bucket's requests) and the
+        knee estimate when the last one started."""
         self.selected = 0
         self.explored = 0
         self._explore_rate = 0.0
@@ -248,7 +281,10 @@ class SpecPilotPolicy:
         class_key = (context.model, context.workload_class)
         count = self._class_requests.get(class_key, 0) + 1
         self._class_requests[class_key] = count
-        if decision.reason != "override" and self._may_explore():
+        trial = self._trial_arm(context, decision)
+        if trial is not None:
+            decision = trial
+        elif decision.reason != "override" and self._may_explore():
             candidate = self._exploration_arm(context, decision.arm, count)
             if candidate is not None:
                 arm, reason = candidate
@@ -279,6 +315,7 @@ class SpecPilotPolicy:
             arm = Arm.parse(observation.arm) if observation.arm else OFF
         except ValueError:
             return
+        self._settle_concurrency(model, now)
         tracker = self._tracker(model, arm)
         tracker.remove(arm, now)
         self._learn_cost(model, arm, observation, tracker, now)
@@ -362,6 +399,88 @@ class SpecPilotPolicy:
                 return Arm(proposer, min(self._gammas[proposer])), "probe"
         return None
 
+    def _trial_arm(self, context: Context, decision: Decision) -> Decision | None:
+        """The arm of a running knee trial for this request, if one runs in its bucket."""
+        key = (context.model, context.bucket)
+        served = self._bucket_requests.get(key, 0) + 1
+        self._bucket_requests[key] = served
+        trial = self._trials.get(key)
+        if trial is None or decision.reason == "override":
+            return None
+        trial.remaining -= 1
+        if trial.remaining <= 0:
+            del self._trials[key]
+        arm = trial.assignment.get(context.workload_class, decision.arm)
+        if arm == decision.arm:
+            return None
+        return Decision(context, arm, "trial", explored=True)
+
+    def _start_trial(
+        self,
+        model: str,
+        bucket: str,
+        concurrency: float,
+        shares: Mapping[str, float],
+        served: Mapping[str, Arm],
+        mean_e: Mapping[tuple[str, Arm], float],
+        drawn_e: Mapping[tuple[str, Arm], FloatArray],
+        worlds: CostDraws,
+        cost_model: StepCostModel,
+    ) -> None:
+        """Start a knee trial in a bucket when the knee estimate holds its plan back.
+
+        While no batch has yet run past the knee, the mean cost puts the knee at the
+        edge of the largest batch seen, and every plan stays within it: the data that
+        would show the knee to be higher never comes. Per-request exploration cannot
+        bring it either: in a shared batch, a few sequences drafting deeper make every
+        sequence wait for the deeper drafting. So, now and then, the whole bucket runs
+        for one batch's worth of requests the plan made with the knee one grid cell
+        higher (what the data cannot rule out), if that plan is predicted to gain there
+        and, were the knee right at the edge, would cost at most ``trial_max_loss``
+        while it lasts. Its requests count as exploration; trials take at most
+        ``explore_cap`` of the bucket's requests. What the trial's batches show moves
+        the knee estimate, and the ordinary plan follows.
+        """
+        key = (model, bucket)
+        if key in self._trials:
+            return
+        knee = cost_model.mean_params().knee_tokens
+        due, knee_then = self._next_trial.get(key, (0, math.inf))
+        # A trial that moved the knee estimate up paid for itself (the plan now follows
+        # it): the next step may follow at once. One that did not waits its turn.
+        if self._bucket_requests.get(key, 0) < due and knee <= knee_then:
+            return
+        bolder = cost_model.next_knee_params()
+        if bolder is None:
+            return
+        topology = self.config.topology
+
+        def mean_tokens(cls: str, arm: Arm) -> float:
+            return 1.0 if arm.proposer is None else mean_e[(cls, arm)]
+
+        proposal = best_assignment(
+            concurrency, shares, mean_tokens, self.arms, bolder, served, topology=topology
+        )
+        proposal, _ = self._guard(concurrency, shares, proposal, drawn_e, worlds)
+        if all(proposal.get(c, OFF) == served.get(c, OFF) for c in shares):
+            return
+        gain = steady_goodput(concurrency, shares, mean_tokens, proposal, bolder, topology) / max(
+            steady_goodput(concurrency, shares, mean_tokens, served, bolder, topology), 1e-12
+        )
+        if gain < 1.0 + self.config.hysteresis:
+            return
+        # The worst the data allows: the knee right at the edge of the batches seen.
+        edge = cost_model.edge_params()
+        worst = steady_goodput(concurrency, shares, mean_tokens, proposal, edge, topology) / max(
+            steady_goodput(concurrency, shares, mean_tokens, served, edge, topology), 1e-12
+        )
+        if worst < 1.0 - self.config.trial_max_loss:
+            return
+        length = max(1, math.ceil(concurrency))
+        self._trials[key] = _Trial(dict(proposal), length)
+        spacing = math.ceil(length * (1.0 / self.config.explore_cap - 1.0))
+        self._next_trial[key] = (self._bucket_requests.get(key, 0) + length + spacing, knee)
+
     def _cheap_probes(self, model: str, worlds: CostDraws) -> dict[str, bool]:
         """Per proposer: whether one more sequence on its smallest γ surely (in all but
         ``guard_quantile`` of the cost draws) slows the batch by at most
@@ -384,6 +503,7 @@ class SpecPilotPolicy:
 
     def _affordable_exploration(
         self,
+        model: str,
         concurrency: float,
         shares: Mapping[str, float],
         guarded: Mapping[str, Arm],
@@ -391,42 +511,87 @@ class SpecPilotPolicy:
         drawn_e: Mapping[tuple[str, Arm], FloatArray],
         worlds: CostDraws,
     ) -> dict[str, Arm]:
-        """Keep a class's Thompson arm only if, in the sampled acceptance world, it
-        raises the bucket's goodput in all but ``guard_quantile`` of ``worlds`` (the
-        mean cost with its knee anywhere within its grid cell).
+        """Keep a class's Thompson arm only if, in the sampled acceptance world,
+        exploring it costs the bucket at most ``explore_max_loss`` of its goodput in
+        all but ``guard_quantile`` of ``worlds`` (the mean cost with its knee anywhere
+        within its grid cell).
 
         Thompson sampling explores acceptance at the mean cost. When the batch runs
         right at the compute knee, whether a knee just above the operating point or
         just below is true decides whether any speculation pays, and exploring there
         slows every sequence of the batch; acceptance (shared across buckets) is
         learned as well at lower load.
+
+        What is weighed is the exploration itself, not the class switching over: only
+        the share of the class's requests the exploration cap lets through runs the
+        Thompson arm. Requiring a full switch to pay in every plausible world would
+        forbid ever running a batch a little past the highest load where the knee has
+        been seen not to bind, so a knee estimate stuck at the edge of what was seen
+        could never rise; exploring a small share there costs little even if the knee
+        is right at that edge.
         """
         size = len(worlds.step_s)
         first = {key: np.full(size, values[0]) for key, values in drawn_e.items()}
         topology = self.config.topology
         base, _ = steady_state_draws(concurrency, shares, first, guarded, worlds, topology)
+        counts = {c: n for (m, c), n in self._class_requests.items() if m == model}
+        total = sum(counts.get(c, 0) for c in shares)
         out = dict(thompson)
         for cls in sorted(thompson):
             if thompson[cls] == guarded.get(cls, OFF):
                 continue
-            moved, _ = steady_state_draws(
-                concurrency, shares, first, {**guarded, cls: thompson[cls]}, worlds, topology
-            )
+            requests = counts.get(cls, 0) / total if total > 0 else 1.0
+            explored = min(1.0, self.config.explore_cap / max(requests, 1e-9))
+            # The exploring requests as a class of their own on the Thompson arm.
+            share = shares[cls]
+            split = {**shares, cls: share * (1.0 - explored), _EXPLORING: share * explored}
+            tokens = dict(first)
+            if thompson[cls].proposer is not None:
+                tokens[(_EXPLORING, thompson[cls])] = first[(cls, thompson[cls])]
+            assignment = {**guarded, _EXPLORING: thompson[cls]}
+            moved, _ = steady_state_draws(concurrency, split, tokens, assignment, worlds, topology)
             ratios = moved / np.maximum(base, 1e-12)
-            if _quantile(ratios, self.config.guard_quantile) < 1.0:
+            if _quantile(ratios, self.config.guard_quantile) < 1.0 - self.config.explore_max_loss:
                 out[cls] = guarded.get(cls, OFF)
         return out
 
     def _serve(self, context: Context, arm: Arm, count: int) -> None:
-        self._tracker(context.model, arm).add(arm, self.clock())
+        now = self.clock()
+        self._settle_concurrency(context.model, now)
+        self._tracker(context.model, arm).add(arm, now)
         if arm.proposer is not None:
             self._last_served[(context.model, context.workload_class, arm.proposer)] = count
-        key = (context.model, context.bucket)
-        concurrency = self._in_flight(context.model)
-        previous = self._bucket_concurrency.get(key)
-        self._bucket_concurrency[key] = (
-            concurrency if previous is None else 0.98 * previous + 0.02 * concurrency
-        )
+        pending = self._pending_concurrency.setdefault(context.model, (now, []))
+        pending[1].append(context.bucket)
+
+    def _settle_concurrency(self, model: str, now: float) -> None:
+        """Record the concurrency the requests served at an earlier instant started with.
+
+        Requests that start together see each other in flight: a burst served one by
+        one at one instant (a closed loop's concurrency stepping up) must not read 7,
+        8, …, 48 in flight when all 48 run together. So a served request's bucket is
+        sampled at the next event after its instant, before that event changes the
+        batch. Each sample is clipped to its bucket's range (the caller bucketed the
+        request by its own count of what is in flight, which is authoritative), and a
+        bucket whose estimate moves by more than 10 % is re-planned.
+        """
+        pending = self._pending_concurrency.get(model)
+        if pending is None or now <= pending[0]:
+            return
+        del self._pending_concurrency[model]
+        in_flight = float(self._in_flight(model))
+        edges = self.config.buckets.lower_edges
+        for bucket in pending[1]:
+            index = self.config.buckets.labels.index(bucket)
+            high = edges[index + 1] - 1 if index + 1 < len(edges) else math.inf
+            sample = min(max(in_flight, float(edges[index])), high)
+            key = (model, bucket)
+            previous = self._bucket_concurrency.get(key)
+            estimate = sample if previous is None else 0.98 * previous + 0.02 * sample
+            self._bucket_concurrency[key] = estimate
+            planned = self._plans.get(key)
+            if planned is not None and abs(estimate - planned.concurrency) > 0.1 * estimate:
+                del self._plans[key]
 
     # -- learning ------------------------------------------------------------------
 
@@ -554,7 +719,9 @@ class SpecPilotPolicy:
         shares = {c: v for c, v in self._token_shares.get(model, {}).items() if v > 0}
         cost_model = self._cost.get(model)
         if not shares or cost_model is None or not cost_model.ready:
-            self._plans[(model, bucket)] = _Plan(now, observations, {})
+            self._plans[(model, bucket)] = _Plan(
+                now, observations, {}, concurrency=self._concurrency(model, bucket)
+            )
             return
         draws = self.config.posterior_draws
         classes = sorted(shares)
@@ -580,6 +747,13 @@ class SpecPilotPolicy:
 
         concurrency = self._concurrency(model, bucket)
         mean_cost = cost_model.mean_params()
+        if self._knee_seen.get(model, mean_cost.knee_tokens) != mean_cost.knee_tokens:
+            # New evidence on the knee (typically a knee trial's batches): decisions
+            # held back by the old estimate may move now, as after a drift.
+            for context, commitment in self._commitments.items():
+                if context.model == model:
+                    commitment.since = -math.inf
+        self._knee_seen[model] = mean_cost.knee_tokens
         cost_draws = cost_model.sample_params(self.rng, draws)
         worlds = CostDraws.stack(cost_draws)
         committed = {
@@ -608,10 +782,10 @@ class SpecPilotPolicy:
         mean_world = CostDraws.stack([mean_cost] * len(cell))
         blurred_mean = dataclasses.replace(mean_world, knee_tokens=mean_world.knee_tokens * cell)
         thompson = self._affordable_exploration(
-            concurrency, shares, guarded, thompson, drawn_e, blurred_mean
+            model, concurrency, shares, guarded, thompson, drawn_e, blurred_mean
         )
         probe_ok = self._cheap_probes(model, blurred)
-        self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok)
+        self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok, concurrency)
         # The live assignment is guarded too: a committed class whose speculation no
         # longer surely pays turns off now, whatever its dwell time.
         live = {cls: committed.get(cls, guarded[cls]) for cls in classes}
@@ -643,6 +817,17 @@ class SpecPilotPolicy:
             commitment = self._commitments[Context(model, cls, bucket)]
             commitment.speedup = float(np.mean(values))
             commitment.interval = (_quantile(values, 0.1), _quantile(values, 0.9))
+        self._start_trial(
+            model,
+            bucket,
+            concurrency,
+            shares,
+            served,
+            mean_e,
+            drawn_e,
+            worlds,
+            cost_model,
+        )
 
     def _guard(
         self,
@@ -856,6 +1041,7 @@ class SpecPilotPolicy:
                         "observations": p.observations,
                         "thompson": {c: str(a) for c, a in sorted(p.thompson.items())},
                         "probe_ok": dict(sorted(p.probe_ok.items())),
+                        "concurrency": p.concurrency,
                     },
                 ]
                 for k, p in sorted(self._plans.items())
@@ -881,6 +1067,19 @@ class SpecPilotPolicy:
             "selected": self.selected,
             "explored": self.explored,
             "explore_rate": self._explore_rate,
+            "knee_seen": dict(self._knee_seen),
+            "trials": [
+                [
+                    list(k),
+                    {
+                        "assignment": {c: str(a) for c, a in t.assignment.items()},
+                        "remaining": t.remaining,
+                    },
+                ]
+                for k, t in sorted(self._trials.items())
+            ],
+            "bucket_requests": [[list(k), v] for k, v in sorted(self._bucket_requests.items())],
+            "next_trial": [[list(k), list(v)] for k, v in sorted(self._next_trial.items())],
             "change_events": [asdict(e) for e in self.change_events],
         }
 
@@ -928,6 +1127,7 @@ class SpecPilotPolicy:
                 p["observations"],
                 {c: Arm.parse(a) for c, a in p["thompson"].items()},
                 dict(p["probe_ok"]),
+                float(p.get("concurrency", 0.0)),
             )
             for k, p in state["plans"]
         }
@@ -947,4 +1147,16 @@ class SpecPilotPolicy:
         self.selected = int(state["selected"])
         self.explored = int(state["explored"])
         self._explore_rate = float(state["explore_rate"])
+        self._knee_seen = {m: float(k) for m, k in state.get("knee_seen", {}).items()}
+        # States saved before knee trials existed start without any.
+        self._trials = {
+            (k[0], k[1]): _Trial(
+                {c: Arm.parse(a) for c, a in t["assignment"].items()}, int(t["remaining"])
+            )
+            for k, t in state.get("trials", [])
+        }
+        self._bucket_requests = {(k[0], k[1]): int(v) for k, v in state.get("bucket_requests", [])}
+        self._next_trial = {
+            (k[0], k[1]): (int(v[0]), float(v[1])) for k, v in state.get("next_trial", [])
+        }
         self.change_events = [ChangeEvent(**e) for e in state["change_events"]]

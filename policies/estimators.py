@@ -7,6 +7,7 @@ the bandit keeps adapting, and all three serialise to JSON-able dicts.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -313,6 +314,8 @@ class StepCostModel:
         self.xty = np.zeros((knees, dims))
         self.yty = 0.0
         self.weight = 0.0
+        self.largest_batch = 0.0
+        """The most verified positions per step any request's batches averaged."""
         self.updated_at: float | None = None
         self._fitted: tuple[FloatArray, FloatArray, FloatArray, FloatArray] | None = None
         self._mean_params: CostParams | None = None
@@ -340,6 +343,8 @@ class StepCostModel:
         self.xty += rows * step_s
         self.yty += step_s * step_s
         self.weight += 1.0
+        # The first column at the lowest knee is T / knee where T passed it.
+        self.largest_batch = max(self.largest_batch, float(rows[0, 0] * self._knees[0]))
 
     @property
     def ready(self) -> bool:
@@ -375,13 +380,59 @@ class StepCostModel:
             precision,
         )
 
+    def _best_knee(self, margin: float = 1.0) -> int:
+        """Index of the knee the mean parameters use.
+
+        The most likely knee; where the data cannot tell several apart (log-likelihoods
+        within ``margin``), the lowest of them that no batch seen has run past, i.e.
+        the batches seen were memory-bound unless the data says otherwise. (Batches of
+        one size only fit any knee below that size as well as any above, with a smaller
+        plain step; the lowest would claim, against no evidence, that every batch seen
+        was compute-bound.) Without such a knee, the lowest of the most likely ones.
+        """
+        _, _, log_likelihood, _ = self._fit()
+        tied = log_likelihood >= log_likelihood.max() - margin
+        # The first design column averages max(1, T / knee): exactly 1 where no batch
+        # went past the knee, so its mean square is 1.
+        unbound = self.xtx[:, 0, 0] <= self.weight * (1.0 + 1e-9)
+        candidates = np.flatnonzero(tied & unbound)
+        if len(candidates):
+            return int(candidates[0])
+        return int(np.argmax(log_likelihood))
+
     def mean_params(self) -> CostParams:
         fitted = self._fit()
         if self._mean_params is None:
-            coefficients, _, log_likelihood, _ = fitted
-            best = int(np.argmax(log_likelihood))
+            coefficients = fitted[0]
+            best = self._best_knee()
             self._mean_params = self._params(coefficients[best], float(self._knees[best]))
         return self._mean_params
+
+    def next_knee_params(self, margin: float = 1.0) -> CostParams | None:
+        """The fit at the grid knee just above :meth:`mean_params`' knee, if the data
+        cannot tell the two apart (log-likelihoods within ``margin``); else None.
+
+        Where every batch seen so far stayed below the knee, each knee above the largest
+        batch fits equally well and the mean parameters take the lowest: the knee sits
+        at the edge of what was seen, and planning on it never runs a larger batch that
+        would show the knee to be higher. This is the first step past that edge.
+        """
+        coefficients, _, log_likelihood, _ = self._fit()
+        best = self._best_knee(margin)
+        above = best + 1
+        if above >= len(self._knees) or log_likelihood[above] < log_likelihood[best] - margin:
+            return None
+        return self._params(coefficients[above], float(self._knees[above]))
+
+    def edge_params(self) -> CostParams:
+        """:meth:`mean_params` with the knee as low as the data allows: where no batch
+        seen went past the knee, right at the largest batch seen (the grid knee the
+        mean takes lies up to a cell above it, and the data fits every knee between
+        the two alike)."""
+        mean = self.mean_params()
+        if self.largest_batch <= 0.0 or self.largest_batch >= mean.knee_tokens:
+            return mean
+        return dataclasses.replace(mean, knee_tokens=max(self.largest_batch, 1.0))
 
     def sample_params(self, rng: np.random.Generator, draws: int) -> list[CostParams]:
         coefficients, variance, log_likelihood, precision = self._fit()
@@ -411,6 +462,7 @@ class StepCostModel:
             "xty": self.xty.tolist(),
             "yty": self.yty,
             "weight": self.weight,
+            "largest_batch": self.largest_batch,
             "updated_at": self.updated_at,
         }
 
@@ -419,6 +471,7 @@ class StepCostModel:
         self.xty = np.array(state["xty"], dtype=float)
         self.yty = float(state["yty"])
         self.weight = float(state["weight"])
+        self.largest_batch = float(state.get("largest_batch", 0.0))
         self.updated_at = state["updated_at"]
         self._fitted = None
         self._mean_params = None
