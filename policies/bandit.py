@@ -227,6 +227,10 @@ class _Plan:
     tokens: dict[tuple[str, Arm], float] = field(default_factory=dict)
     """Posterior mean tokens per step of every class × speculating arm."""
     shares: dict[str, float] = field(default_factory=dict)
+    knee_pinned: bool = False
+    """The cost data tells the knee from the next grid knee above it (a batch ran past
+    it), or there is none: what is left of its uncertainty lies within its grid cell,
+    which no data resolves. Not saved, like ``worlds``."""
 
 
 class SpecPilotPolicy:
@@ -526,7 +530,19 @@ class SpecPilotPolicy:
     def _probe_cost(self, context: Context, committed: Arm, probe: Arm, plan: _Plan) -> float:
         """Share of its engine's goodput a probe is predicted to cost while it runs
         (negative: it pays for itself) against serving the request with the committed
-        arm: the mean over the plan's cost draws, as the budget bounds an average.
+        arm: the mean over the plan's cost draws, as the budget bounds an average;
+        where the knee is pinned to its grid cell, what it surely costs at most (in all
+        but ``guard_quantile`` of the draws).
+
+        The draws place the knee anywhere within its cell. While the knee estimate
+        sits at the edge of the batches seen, a probe that runs the batch past it is
+        also evidence on the knee, and the mean is a fair price. Once a batch ran past
+        the knee, what is left is the cell's width, which no data resolves: at the
+        mean, a probe that costs its batch if the knee lies low in the cell would pass
+        for one that pays for itself, and with no budget at all run every
+        ``probe_every`` requests of its class in a batch at the knee, for as long as it
+        stays there. There the probe is priced as the guard and exploration price
+        what they risk.
 
         Priced in the batch as it is now. Past the compute knee every verified
         position slows every sequence, and the probe's own accepted tokens are what
@@ -546,7 +562,7 @@ class SpecPilotPolicy:
                 return 0.0
             before = worlds.step_time(*tracker.composition())
             slowdown = worlds.step_time(*tracker.composition(probe)) / before - 1.0
-            return float(np.mean(slowdown))
+            return self._price(slowdown, plan)
 
         def tokens(arm: Arm, of_class: str | None = None) -> float:
             if arm.proposer is None:
@@ -574,7 +590,14 @@ class SpecPilotPolicy:
             )
             probed_step = probed_step + (alone - probed_step) / (users + 1)
         ratio = (probed / probed_step) / (served / served_step)
-        return 1.0 - float(np.mean(ratio))
+        return self._price(1.0 - ratio, plan)
+
+    def _price(self, costs: FloatArray, plan: _Plan) -> float:
+        """A probe's price from its cost in each of the plan's draws (see
+        ``_probe_cost``)."""
+        if plan.knee_pinned:
+            return _quantile(costs, 1.0 - self.config.guard_quantile)
+        return float(np.mean(costs))
 
     def _affordable_exploration(
         self,
@@ -860,7 +883,14 @@ class SpecPilotPolicy:
             model, concurrency, shares, guarded, thompson, drawn_e, blurred_mean
         )
         self._plans[(model, bucket)] = _Plan(
-            now, observations, thompson, concurrency, blurred, mean_e, shares
+            now,
+            observations,
+            thompson,
+            concurrency,
+            blurred,
+            mean_e,
+            shares,
+            knee_pinned=cost_model.next_knee_params() is None,
         )
         # The live assignment is guarded too: a committed class whose speculation no
         # longer surely pays turns off now, whatever its dwell time.

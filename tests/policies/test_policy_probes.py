@@ -164,3 +164,30 @@ def test_a_probe_budget_buys_detection_of_an_idle_proposers_drift() -> None:
     assert delays[0] is not None and delays[0] <= 200
     _, unpaid = _saturated_drift(0.0)
     assert unpaid[0] is None or unpaid[0] > delays[0]
+
+
+def test_at_a_pinned_knee_a_probe_must_surely_pay_for_itself() -> None:
+    """A batch of 62 off, the knee somewhere between 56 and 72 (its grid cell): an
+    n-gram probe verifies past 64 in half the draws. On average it pays for itself;
+    if the knee lies low in the cell it costs the batch. While the knee estimate may
+    still rise (a probe past it is evidence) the mean prices it; once the data pins
+    the knee to its cell, no probe settles where in the cell it lies, and a probe
+    with no budget runs only if it pays in all but ``guard_quantile`` of the draws."""
+    tokens = {("code", NGRAM2): 2.6, ("code", EAGLE1): 1.05}
+    draws = [
+        CostParams(step_s=0.02, knee_tokens=k, draft_cost={"eagle3": 0.1, "ngram": 0.005})
+        for k in np.linspace(56, 72, 16)
+    ]
+    context = Context(MODEL, "code", BUCKET)
+    costs = []
+    probed = []
+    for pinned in (False, True):
+        policy = _policy(in_flight=62, tokens=tokens, probe_budget=0.0)
+        plan = policy._plans[(MODEL, BUCKET)]
+        plan.worlds = CostDraws.stack(draws)
+        plan.knee_pinned = pinned
+        costs.append(policy._probe_cost(context, OFF, NGRAM2, plan))
+        probed.append(_probes(policy, 100))
+    mean, sure = costs
+    assert mean < 0.0 < sure
+    assert probed == [[NGRAM2] * 4, []]
