@@ -118,8 +118,22 @@ class BanditConfig:
     probe_every: int = 25
     """Serve a class with an unused proposer (its smallest γ) after this many of the
     class's requests went by without it, so drifts of idle proposers get noticed."""
-    probe_max_slowdown: float = 0.02
-    """A probe may make the batch's steps at most this much slower."""
+    probe_budget: float = 0.0
+    """Share of goodput probes may cost on average. A probe is priced at admission by
+    what it is predicted to cost its batch's goodput while it runs (see
+    ``_probe_cost``); one that pays for itself runs whenever due. Each admitted request
+    adds ``probe_budget / n`` to its class's budget (n sequences in flight: one request
+    is about 1/n of the batch's work while it runs), and a costly probe of the class
+    runs only once the budget holds its cost. Per class, because a drift is caught
+    within so many requests of its class: a rare class earns as much per request as a
+    frequent one. 0 by default: probing only where it pays keeps every goodput ratio
+    of ``bench policy``, while catching the drift of a proposer nobody uses at high
+    load within 200 requests of its class can cost more than 2 % of goodput there
+    (e.g. one EAGLE-3 probe costs a 24-stream batch about 4 % while it runs)."""
+    probe_burst: float = 4.0
+    """The probe budget saves up to what this many requests of a full batch earn
+    (``probe_budget × probe_burst``): a probe or two at once, while a burst after a
+    quiet stretch costs at most a few requests' worth of the batch's time."""
     explore_max_loss: float = 0.01
     """Exploring a class's Thompson arm (on the share of its requests the cap lets
     explore) may cost the bucket at most this much goodput where the knee is lowest."""
@@ -205,9 +219,18 @@ class _Plan:
     at: float
     observations: int
     thompson: dict[str, Arm]
-    probe_ok: dict[str, bool] = field(default_factory=dict)
     concurrency: float = 0.0
     """The bucket's concurrency the plan was made for."""
+    worlds: CostDraws | None = None
+    """Cost draws (knee blurred within its grid cell) that price probes; not saved:
+    a restored plan prices no probes until the bucket is re-planned."""
+    tokens: dict[tuple[str, Arm], float] = field(default_factory=dict)
+    """Posterior mean tokens per step of every class × speculating arm."""
+    shares: dict[str, float] = field(default_factory=dict)
+    knee_pinned: bool = False
+    """The cost data tells the knee from the next grid knee above it (a batch ran past
+    it), or there is none: what is left of its uncertainty lies within its grid cell,
+    which no data resolves. Not saved, like ``worlds``."""
 
 
 class SpecPilotPolicy:
@@ -248,6 +271,8 @@ class SpecPilotPolicy:
         self._commitments: dict[Context, _Commitment] = {}
         self._class_requests: dict[tuple[str, str], int] = {}
         self._last_served: dict[tuple[str, str, str], int] = {}
+        self._probe_budget: dict[tuple[str, str], float] = {}
+        """Per (model, class): what its probes may still spend (see ``probe_budget``)."""
         self._overrides: list[Override] = []
         self._trials: dict[tuple[str, str], _Trial] = {}
         self._knee_seen: dict[str, float] = {}
@@ -281,6 +306,7 @@ class SpecPilotPolicy:
         class_key = (context.model, context.workload_class)
         count = self._class_requests.get(class_key, 0) + 1
         self._class_requests[class_key] = count
+        self._save_probe_budget(class_key)
         trial = self._trial_arm(context, decision)
         if trial is not None:
             decision = trial
@@ -389,14 +415,25 @@ class SpecPilotPolicy:
             sampled = plan.thompson.get(context.workload_class)
             if sampled is not None and sampled != committed:
                 return sampled, "explore"
+        if plan is None or plan.worlds is None:
+            return None
+        # Probes keep the acceptance of proposers a class does not use fresh, so their
+        # drifts get noticed: the stalest first, each if the budget affords it now.
+        due = []
         for proposer in self.proposers:
             if proposer == committed.proposer:
                 continue
             last = self._last_served.get((context.model, context.workload_class, proposer), 0)
-            if count - last >= self.config.probe_every and (
-                plan is not None and plan.probe_ok.get(proposer, False)
-            ):
-                return Arm(proposer, min(self._gammas[proposer])), "probe"
+            if count - last >= self.config.probe_every:
+                due.append((last, proposer))
+        class_key = (context.model, context.workload_class)
+        budget = self._probe_budget.get(class_key, 0.0)
+        for _, proposer in sorted(due):
+            probe = Arm(proposer, min(self._gammas[proposer]))
+            cost = self._probe_cost(context, committed, probe, plan)
+            if cost <= budget:
+                self._probe_budget[class_key] = budget - max(cost, 0.0)
+                return probe, "probe"
         return None
 
     def _trial_arm(self, context: Context, decision: Decision) -> Decision | None:
@@ -481,25 +518,86 @@ class SpecPilotPolicy:
         spacing = math.ceil(length * (1.0 / self.config.explore_cap - 1.0))
         self._next_trial[key] = (self._bucket_requests.get(key, 0) + length + spacing, knee)
 
-    def _cheap_probes(self, model: str, worlds: CostDraws) -> dict[str, bool]:
-        """Per proposer: whether one more sequence on its smallest γ surely (in all but
-        ``guard_quantile`` of the cost draws) slows the batch by at most
-        ``probe_max_slowdown``. A proposer nobody else uses makes every sequence wait
-        for its drafting, and past the compute knee every verified position slows every
-        sequence: at high load that costs more than the probe can tell. A probe into an
-        empty batch (its own pool in routing mode) slows nobody."""
-        out = {}
-        for proposer in self.proposers:
-            probe = Arm(proposer, min(self._gammas[proposer]))
-            tracker = self._tracker(model, probe)
+    def _save_probe_budget(self, class_key: tuple[str, str]) -> None:
+        """One admitted request is about 1/n of an n-sequence batch's work while it
+        runs: it earns its class's probes ``probe_budget`` of that (see
+        ``BanditConfig``)."""
+        share = self.config.probe_budget / (self._in_flight(class_key[0]) + 1)
+        saved = self._probe_budget.get(class_key, 0.0) + share
+        cap = self.config.probe_budget * self.config.probe_burst
+        self._probe_budget[class_key] = min(saved, cap)
+
+    def _probe_cost(self, context: Context, committed: Arm, probe: Arm, plan: _Plan) -> float:
+        """Share of its engine's goodput a probe is predicted to cost while it runs
+        (negative: it pays for itself) against serving the request with the committed
+        arm: the mean over the plan's cost draws, as the budget bounds an average;
+        where the knee is pinned to its grid cell, what it surely costs at most (in all
+        but ``guard_quantile`` of the draws).
+
+        The draws place the knee anywhere within its cell. While the knee estimate
+        sits at the edge of the batches seen, a probe that runs the batch past it is
+        also evidence on the knee, and the mean is a fair price. Once a batch ran past
+        the knee, what is left is the cell's width, which no data resolves: at the
+        mean, a probe that costs its batch if the knee lies low in the cell would pass
+        for one that pays for itself, and with no budget at all run every
+        ``probe_every`` requests of its class in a batch at the knee, for as long as it
+        stays there. There the probe is priced as the guard and exploration price
+        what they risk.
+
+        Priced in the batch as it is now. Past the compute knee every verified
+        position slows every sequence, and the probe's own accepted tokens are what
+        pays that back. Drafting is paid once per step by every sequence of the batch,
+        as long as any sequence drafts with the proposer: a probe pays its own drafting
+        in full when nobody else drafts with its proposer, and shares it with the
+        sequences that do (1/(users + 1) of it), so probes that run together share it
+        without each one passing for free (the next probe only rides on the first for
+        part of its life).
+        """
+        assert plan.worlds is not None
+        worlds, cls = plan.worlds, context.workload_class
+        tracker = self._tracker(context.model, probe)
+        if self.config.topology == "per_arm":
+            # The probe runs in its own pool: it slows only the requests there.
             if tracker.in_flight == 0:
-                out[proposer] = True
-                continue
+                return 0.0
             before = worlds.step_time(*tracker.composition())
             slowdown = worlds.step_time(*tracker.composition(probe)) / before - 1.0
-            sure = _quantile(slowdown, 1.0 - self.config.guard_quantile)
-            out[proposer] = sure <= self.config.probe_max_slowdown
-        return out
+            return self._price(slowdown, plan)
+
+        def tokens(arm: Arm, of_class: str | None = None) -> float:
+            if arm.proposer is None:
+                return 1.0
+            if of_class is not None:
+                return plan.tokens.get((of_class, arm), 1.0)
+            # A sequence in flight, class unknown: the traffic mix's mean.
+            total = sum(plan.shares.values())
+            if total <= 0:
+                return 1.0
+            return sum(s * plan.tokens.get((c, arm), 1.0) for c, s in plan.shares.items()) / total
+
+        batch = sum(count * tokens(arm) for arm, count in tracker.counts.items() if count > 0)
+        served = batch + tokens(committed, cls)
+        probed = batch + tokens(probe, cls)
+        served_verify, served_depth = tracker.composition(committed)
+        probed_verify, probed_depth = tracker.composition(probe)
+        served_step = worlds.step_time(served_verify, served_depth)
+        probed_step = worlds.step_time(probed_verify, probed_depth)
+        users = sum(n for arm, n in tracker.counts.items() if arm.proposer == probe.proposer)
+        drafting = worlds.draft_cost.get(str(probe.proposer))
+        if users > 0 and drafting is not None:
+            alone = worlds.step_time(probed_verify, served_depth) + (
+                drafting * worlds.step_s * probe.gamma
+            )
+            probed_step = probed_step + (alone - probed_step) / (users + 1)
+        ratio = (probed / probed_step) / (served / served_step)
+        return self._price(1.0 - ratio, plan)
+
+    def _price(self, costs: FloatArray, plan: _Plan) -> float:
+        """A probe's price from its cost in each of the plan's draws (see
+        ``_probe_cost``)."""
+        if plan.knee_pinned:
+            return _quantile(costs, 1.0 - self.config.guard_quantile)
+        return float(np.mean(costs))
 
     def _affordable_exploration(
         self,
@@ -784,8 +882,16 @@ class SpecPilotPolicy:
         thompson = self._affordable_exploration(
             model, concurrency, shares, guarded, thompson, drawn_e, blurred_mean
         )
-        probe_ok = self._cheap_probes(model, blurred)
-        self._plans[(model, bucket)] = _Plan(now, observations, thompson, probe_ok, concurrency)
+        self._plans[(model, bucket)] = _Plan(
+            now,
+            observations,
+            thompson,
+            concurrency,
+            blurred,
+            mean_e,
+            shares,
+            knee_pinned=cost_model.next_knee_params() is None,
+        )
         # The live assignment is guarded too: a committed class whose speculation no
         # longer surely pays turns off now, whatever its dwell time.
         live = {cls: committed.get(cls, guarded[cls]) for cls in classes}
@@ -1040,7 +1146,6 @@ class SpecPilotPolicy:
                         "at": p.at,
                         "observations": p.observations,
                         "thompson": {c: str(a) for c, a in sorted(p.thompson.items())},
-                        "probe_ok": dict(sorted(p.probe_ok.items())),
                         "concurrency": p.concurrency,
                     },
                 ]
@@ -1061,6 +1166,7 @@ class SpecPilotPolicy:
             ],
             "class_requests": [[list(k), v] for k, v in sorted(self._class_requests.items())],
             "last_served": [[list(k), v] for k, v in sorted(self._last_served.items())],
+            "probe_budget": [[list(k), v] for k, v in sorted(self._probe_budget.items())],
             "overrides": [
                 [o.model, o.workload_class, o.bucket, str(o.arm)] for o in self._overrides
             ],
@@ -1126,7 +1232,6 @@ class SpecPilotPolicy:
                 p["at"],
                 p["observations"],
                 {c: Arm.parse(a) for c, a in p["thompson"].items()},
-                dict(p["probe_ok"]),
                 float(p.get("concurrency", 0.0)),
             )
             for k, p in state["plans"]
@@ -1143,6 +1248,7 @@ class SpecPilotPolicy:
         }
         self._class_requests = {(k[0], k[1]): v for k, v in state["class_requests"]}
         self._last_served = {(k[0], k[1], k[2]): v for k, v in state["last_served"]}
+        self._probe_budget = {(k[0], k[1]): float(v) for k, v in state.get("probe_budget", [])}
         self._overrides = [Override(o[0], o[1], o[2], Arm.parse(o[3])) for o in state["overrides"]]
         self.selected = int(state["selected"])
         self.explored = int(state["explored"])

@@ -175,12 +175,19 @@ class ChangeDetector:
     ``prior_spread`` (worth ``prior_requests`` requests), so a small early sample that
     happens to agree closely cannot make ordinary noise look like a shift.
 
-    Scores are standardised and clipped (one odd request cannot fire it alone). Two
+    Scores are standardised and clipped (one odd request cannot fire it alone). Three
     CUSUMs share the baseline: a coarse one (``slack`` 1 standard deviation,
     ``threshold`` 12) fires within four or five requests on a shift of three or more
     standard deviations; a fine one (``fine_slack`` 0.5, ``fine_threshold`` 18) catches
-    a shift of about one standard deviation within about 40 requests. Both have
-    in-control run lengths far beyond any realistic stream.
+    a shift of about one standard deviation within about 40 requests; a gross one
+    (``gross_slack`` 2.5, ``gross_threshold`` 4.4) fires on three requests in a row
+    scored at the clip, a collapse of four or more standard deviations: a proposer a
+    class does not use is seen only through probes a few dozen requests apart, and
+    each request saved there is dozens of the class's requests. Ordinary tails, even
+    the long ones of per-request acceptance near 0 or 1, do not score three clipped
+    values in a row (with a slack of 2 and a threshold of 5.5 they did, once in a few
+    million requests at α = 0.05). All have in-control run lengths far beyond any
+    realistic stream.
     """
 
     def __init__(
@@ -191,6 +198,8 @@ class ChangeDetector:
         threshold: float = 12.0,
         fine_slack: float = 0.5,
         fine_threshold: float = 18.0,
+        gross_slack: float = 2.5,
+        gross_threshold: float = 4.4,
         clip: float = 4.0,
         min_spread: float = 0.04,
         prior_spread: float = 0.15,
@@ -202,6 +211,8 @@ class ChangeDetector:
         self.threshold = threshold
         self.fine_slack = fine_slack
         self.fine_threshold = fine_threshold
+        self.gross_slack = gross_slack
+        self.gross_threshold = gross_threshold
         self.clip = clip
         self.min_spread = min_spread
         self.prior_spread = prior_spread
@@ -217,6 +228,8 @@ class ChangeDetector:
         self.low = 0.0
         self.fine_high = 0.0
         self.fine_low = 0.0
+        self.gross_high = 0.0
+        self.gross_low = 0.0
         self.recent: float | None = None
         self.pending: deque[float] = deque()
 
@@ -248,11 +261,15 @@ class ChangeDetector:
         self.low = max(0.0, self.low - z - self.slack)
         self.fine_high = max(0.0, self.fine_high + z - self.fine_slack)
         self.fine_low = max(0.0, self.fine_low - z - self.fine_slack)
+        self.gross_high = max(0.0, self.gross_high + z - self.gross_slack)
+        self.gross_low = max(0.0, self.gross_low - z - self.gross_slack)
         if (
             self.high > self.threshold
             or self.low > self.threshold
             or self.fine_high > self.fine_threshold
             or self.fine_low > self.fine_threshold
+            or self.gross_high > self.gross_threshold
+            or self.gross_low > self.gross_threshold
         ):
             return True
         self.pending.append(value)
@@ -269,6 +286,8 @@ class ChangeDetector:
             "low": self.low,
             "fine_high": self.fine_high,
             "fine_low": self.fine_low,
+            "gross_high": self.gross_high,
+            "gross_low": self.gross_low,
             "recent": self.recent,
             "pending": list(self.pending),
         }
@@ -282,6 +301,8 @@ class ChangeDetector:
         # States saved before the fine CUSUM existed start it afresh.
         self.fine_high = float(state.get("fine_high", 0.0))
         self.fine_low = float(state.get("fine_low", 0.0))
+        self.gross_high = float(state.get("gross_high", 0.0))
+        self.gross_low = float(state.get("gross_low", 0.0))
         self.recent = state["recent"]
         self.pending = deque(float(v) for v in state.get("pending", []))
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from policies.arms import OFF, Arm
@@ -77,6 +78,43 @@ def test_change_detector_judges_a_big_shift_from_a_handful_of_probes() -> None:
         assert not detector.update(float(x))
     fired_after = next(i for i, x in enumerate(rng.beta(1, 15, 20)) if detector.update(float(x)))
     assert fired_after < 6
+
+
+def test_change_detector_judges_a_collapse_from_three_or_four_probes() -> None:
+    # Probes of an idle proposer are rare, so every one counts: a collapse of four or
+    # more standard deviations fires the gross CUSUM after a median of three or four
+    # of them, while long quiet streams (per-request α ~ Beta around the mean, binomial
+    # over the drafts) never do, however skewed near 0 or 1.
+    rng = np.random.default_rng(7)
+
+    def requests(alpha: float, n: int) -> npt.NDArray[np.float64]:
+        drafts = int(rng.integers(20, 300))
+        values: npt.NDArray[np.float64] = (
+            rng.binomial(drafts, rng.beta(20 * alpha, 20 * (1 - alpha), n)) / drafts
+        )
+        return values
+
+    for alpha in (0.02, 0.05, 0.2, 0.45, 0.7, 0.88, 0.95, 0.98):
+        for _ in range(4):
+            detector = ChangeDetector()
+            assert not any(detector.update(float(x)) for x in requests(alpha, 3000))
+    for before, after in ((0.88, 0.40), (0.74, 0.25), (0.66, 0.06)):
+        fired, without_gross = [], []
+        for _ in range(20):
+            detector = ChangeDetector()
+            coarse_and_fine = ChangeDetector(gross_threshold=float("inf"))
+            for x in requests(before, 30):
+                assert not detector.update(float(x))
+                assert not coarse_and_fine.update(float(x))
+            shifted = requests(after, 20)
+            fired.append(next(i + 1 for i, x in enumerate(shifted) if detector.update(float(x))))
+            without_gross.append(
+                next(i + 1 for i, x in enumerate(shifted) if coarse_and_fine.update(float(x)))
+            )
+        assert sorted(fired)[len(fired) // 2] <= 4
+        assert max(fired) <= 6
+        assert all(a <= b for a, b in zip(fired, without_gross, strict=True))
+        assert sum(fired) < sum(without_gross)
 
 
 def test_step_cost_model_recovers_the_engine() -> None:
