@@ -1,14 +1,25 @@
 """``specpilot bench loop``: specpilot's routing vs. each static pool, on real vLLM.
 
-Two real vLLM-CPU pools from the testbed, n-gram γ=4 and off, both with the testbed's
-compute knee (``testbed.server.KNEE_TOKENS``), serve the same traffic three ways:
-straight to the n-gram pool, straight to the off pool, and through specpilot's gateway
-routing by the bandit's choice (a fresh policy: its learning and exploration are part
-of the bill, and the gateway shares the load generator's process). The traffic has
-phases, as production does: one stream of self-repeating code prompts, then sixteen
-concurrent streams, then one again. The three targets take turns within each phase
-(see ``SLICES``). Goodput is completion tokens per wall-clock second of each target's
-own turns.
+A fleet of two engines (this machine's two cores), configured three ways. Four real
+vLLM-CPU servers from the testbed, all with its compute knee
+(``testbed.server.KNEE_TOKENS``): n-gram γ=4 and off, one of each bound to each core
+(``VllmServer(cpus=)``). The same traffic goes to
+
+- all n-gram: both n-gram servers, behind a gateway (least-in-flight);
+- all off: both off servers, behind a gateway;
+- specpilot: a gateway with two pools, n-gram on core 0 and off on core 1, routing by
+  the bandit's choice (a fresh policy: its learning and exploration are part of the
+  bill).
+
+So each target has both cores, its pools on separate hardware (as routing mode's pools
+are, and as the policy's ``per_arm`` topology assumes), and the same gateway hop; what
+differs is which config serves each request. (Against a static pool of one server,
+specpilot's two pools would have twice the hardware; and with vLLM's default binding
+every server computes on core 0: docs/testbed.md.) The gateways share the load
+generator's process. The traffic has phases, as production does: one stream of
+self-repeating code prompts, then sixteen concurrent streams, then one again. The three
+targets take turns within each phase (see ``SLICES``). Goodput is completion tokens per
+wall-clock second of each target's own turns.
 
 JSON: ``{"pools": {name: goodput}, "specpilot": goodput,
 "ratios": {"vs_best_static_pool": …}, "phases": …}``.
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -29,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from collectors.observations import RequestObservation
+from controller.gateway.app import Gateway
+from controller.gateway.routing import Fleet, Pool
 from controller.gateway.server import GatewayServer
 from controller.routed import routed_gateway
 from controller.settings import Settings
@@ -58,7 +72,11 @@ On this VM the same pool's goodput moves by ±25 % from one few-second turn to t
 so shorter, more turns average that out better than two long ones."""
 
 
-def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
+CORES = ("0", "1")
+"""The machine's cores: one server of each config is bound to each."""
+
+
+def pool_settings(ngram_urls: list[str], off_urls: list[str], data_dir: Path) -> Settings:
     """Two pools of the tiny model: n-gram γ=4 and no speculation."""
     tuning = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
     return Settings.model_validate(
@@ -70,7 +88,7 @@ def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
                 "pools": {
                     "ngram": {
                         "model": SERVED_MODEL,
-                        "instances": [ngram_url],
+                        "instances": ngram_urls,
                         "speculative_config": {
                             "method": "ngram", "num_speculative_tokens": 4, **tuning,
                         },
@@ -78,7 +96,7 @@ def pool_settings(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
                             "ngram": {"method": "ngram", "gamma": [4, 4], "tuning": tuning}
                         },
                     },
-                    "off": {"model": SERVED_MODEL, "instances": [off_url]},
+                    "off": {"model": SERVED_MODEL, "instances": off_urls},
                 }
             },
         }
@@ -129,48 +147,64 @@ async def play(
 
 
 async def play_with_specpilot(
-    settings: Settings, policy: SpecPilotPolicy, pools: dict[str, str], tally: ArmTally
+    settings: Settings, policy: SpecPilotPolicy, pools: dict[str, list[str]], tally: ArmTally
 ) -> dict[str, tuple[float, list[dict[str, float]]]]:
-    """Serve specpilot's gateway (routing by ``policy``) next to the pools, and play.
-    The policy learns from every request as it completes, through ``tally`` (the
-    service's loop would hand the same observations over once per interval)."""
-    gateway, _ = routed_gateway(settings, policy, tally)
+    """Serve a static gateway per config (over all its servers) and specpilot's gateway
+    (routing by ``policy`` over the servers ``settings`` name), and play. The policy
+    learns from every request as it completes, through ``tally`` (the service's loop
+    would hand the same observations over once per interval)."""
+    gateways = {
+        name: Gateway(Fleet([Pool(name, name, urls)], clock=time.monotonic))
+        for name, urls in pools.items()
+    }
+    gateways["specpilot"], _ = routed_gateway(settings, policy, tally)
     # The gateway's own front end, as `specpilot gateway` runs it.
-    server = await GatewayServer.start(gateway, host="127.0.0.1", port=0)
+    servers = {
+        name: await GatewayServer.start(gateway, host="127.0.0.1", port=0)
+        for name, gateway in gateways.items()
+    }
     try:
-        return await play({**pools, "specpilot": f"http://127.0.0.1:{server.port}"}, tally)
+        return await play(
+            {name: f"http://127.0.0.1:{server.port}" for name, server in servers.items()}, tally
+        )
     finally:
-        await server.close(grace_s=5.0)  # also closes the gateway's upstream connections
+        for server in servers.values():
+            await server.close(grace_s=5.0)  # also closes its upstream connections
 
 
 def run_benchmark() -> dict[str, Any]:
     env, models = VllmEnvironment.default().ensure(), ModelSet.default()
     models.ensure(env)
-    with (
-        VllmServer(env, models, parse_spec("ngram:4", models), batch_tokens=KNEE_TOKENS) as ngram,
-        VllmServer(env, models, parse_spec("off", models), batch_tokens=KNEE_TOKENS) as off,
-        tempfile.TemporaryDirectory() as data_dir,
-    ):
-        settings = pool_settings(ngram.base_url, off.base_url, Path(data_dir))
-        # Warm both servers so the first measured run does not pay their first requests.
-        asyncio.run(run_streams(ngram.base_url, 2, 2, seed=10_000))
-        asyncio.run(run_streams(off.base_url, 2, 2, seed=10_000))
+    with contextlib.ExitStack() as stack:
+        pools: dict[str, list[str]] = {}
+        for spec in ("ngram:4", "off"):
+            for cpus in CORES:
+                server = VllmServer(
+                    env, models, parse_spec(spec, models), batch_tokens=KNEE_TOKENS, cpus=cpus
+                )
+                stack.enter_context(server)
+                pools.setdefault(spec.partition(":")[0], []).append(server.base_url)
+                # Warm it so the first measured run does not pay its first requests.
+                asyncio.run(run_streams(server.base_url, 2, 2, seed=10_000))
+        data_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        # specpilot's fleet: n-gram on the first core, off on the second.
+        settings = pool_settings(pools["ngram"][:1], pools["off"][1:], Path(data_dir))
         control = bandit_policy(settings, topology="per_arm")  # fresh: learning is billed
         tally = ArmTally(control.observe)
-        urls = {"ngram": ngram.base_url, "off": off.base_url}
-        played = asyncio.run(play_with_specpilot(settings, control.policy, urls, tally))
-    pools = {name: played[name][0] for name in ("ngram", "off")}
-    best = max(pools, key=lambda name: pools[name])
+        played = asyncio.run(play_with_specpilot(settings, control.policy, pools, tally))
+    static = {name: played[name][0] for name in ("ngram", "off")}
+    best = max(static, key=lambda name: static[name])
     specpilot = played["specpilot"][0]
     return {
-        "pools": pools,
+        "pools": static,
         "specpilot": specpilot,
         "best_static_pool": best,
-        "ratios": {"vs_best_static_pool": specpilot / pools[best]},
+        "ratios": {"vs_best_static_pool": specpilot / static[best]},
         "phases": {name: phases for name, (_, phases) in played.items()},
         "specpilot_arms": [dict(sorted(counts.items())) for counts in tally.counts],
         "workload": [{"streams": p.streams, "requests_each": p.requests_each} for p in PHASES],
         "batch_tokens": KNEE_TOKENS,
+        "servers_per_pool": len(CORES),
     }
 
 

@@ -105,6 +105,7 @@ class VllmServer:
         kv_cache_gib: int = 1,
         compile_model: bool = False,
         batch_tokens: int | None = None,
+        cpus: str | None = None,
         extra_args: tuple[str, ...] = (),
         log_path: Path | None = None,
     ) -> None:
@@ -118,6 +119,10 @@ class VllmServer:
         self.kv_cache_gib = kv_cache_gib
         self.compile_model = compile_model
         self.batch_tokens = batch_tokens
+        self.cpus = cpus
+        """CPU ids the engine's compute threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``,
+        e.g. ``"1"``); None leaves vLLM's ``auto``, which binds every server on this
+        2-core VM to core 0, so two servers busy at once time-share it."""
         self.extra_args = extra_args
         self.log_path = log_path or Path(
             tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")[1]
@@ -184,6 +189,8 @@ class VllmServer:
             "VLLM_NO_USAGE_STATS": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        if self.cpus is not None:
+            environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 self.command(),
