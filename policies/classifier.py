@@ -391,9 +391,12 @@ class _LinearScorer:
     def probabilities(self, prompt: str, temperature: float | None) -> npt.NDArray[np.float64]:
         scores = self._intercept.copy()
         clipped = clip_text(prompt)
-        for analyzer, hasher, block, tfidf in self._blocks:
-            with config_context(assume_finite=True, skip_parameter_validation=True):
-                counts = hasher.transform([analyzer(clipped)])
+        # One hashing call per block; validation off, as in WorkloadClassifier.probabilities.
+        with config_context(assume_finite=True, skip_parameter_validation=True):
+            hashed = [
+                hasher.transform([analyzer(clipped)]) for analyzer, hasher, _, _ in self._blocks
+            ]
+        for counts, (_, _, block, tfidf) in zip(hashed, self._blocks, strict=True):
             if counts.nnz == 0:
                 continue
             columns = counts.indices

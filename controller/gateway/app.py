@@ -48,7 +48,7 @@ from controller.gateway.routing import (
     RoutingTable,
     StaticRoutingTable,
 )
-from controller.gateway.sse import SseRelay
+from controller.gateway.sse import SseRelay, json_object
 from controller.gateway.upstream import (
     ResponseHead,
     UpstreamConnection,
@@ -404,7 +404,7 @@ class Gateway:
     ) -> None:
         assert self.sink is not None
         try:
-            parsed = _json_object(document) if document is not None else None
+            parsed = json_object(document) if document is not None else None
             if parsed is not None:
                 measured = observation_from_response(parsed)
             else:
@@ -623,14 +623,6 @@ async def _relay_whole(
     if not parse or head.status != 200:
         return None
     return b"".join(parts)
-
-
-def _json_object(data: bytes) -> dict[str, Any] | None:
-    try:
-        document = orjson.loads(data)
-    except ValueError:
-        return None
-    return document if isinstance(document, dict) else None
 
 
 async def _send_unavailable(response: Response) -> None:

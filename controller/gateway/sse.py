@@ -53,13 +53,7 @@ class SseRelay:
     @property
     def usage_chunk(self) -> dict[str, Any] | None:
         """The usage chunk, decoded (None when none came or it is not a JSON object)."""
-        if self.usage_data is None:
-            return None
-        try:
-            chunk = orjson.loads(self.usage_data)
-        except ValueError:
-            return None
-        return chunk if isinstance(chunk, dict) else None
+        return None if self.usage_data is None else json_object(self.usage_data)
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to forward now: every event completed by ``data``, possibly rewritten."""
@@ -120,6 +114,15 @@ class SseRelay:
                 continue
             out.append(framed)
         return b"".join(out)
+
+
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """``data`` decoded, when it is a JSON object; None otherwise."""
+    try:
+        document = orjson.loads(data)
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def _fingerprint(event: bytes) -> bytes | None:

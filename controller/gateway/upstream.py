@@ -79,8 +79,10 @@ class UpstreamConnection(asyncio.Protocol):
                     if self._on_end is None and payload:
                         self._sink(payload)
                         payload = b""
-                    # The parser never saw this body end: send() starts a fresh one.
                     self._end_message(payload)
+                    # The parser never saw this body end: the next response needs a
+                    # fresh one (after the end went out: off the stream's critical path).
+                    self._parser = httptools.HttpResponseParser(self)
                 elif self._raw is None or not self._raw(data, payload):
                     self._sink(payload)
                 return
@@ -163,8 +165,6 @@ class UpstreamConnection(asyncio.Protocol):
 
     def send(self, request: bytes) -> None:
         assert self._transport is not None
-        if self._complete:
-            self._parser = httptools.HttpResponseParser(self)
         self._headers = []
         self._head = None
         self._complete = False
