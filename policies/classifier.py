@@ -37,13 +37,13 @@ The cost is paid once per process: callers keep the trained classifier
 such a recipe, built from local material and committed as package data (see
 :mod:`policies.classifier_data`).
 
-One prediction through the scikit-learn pipeline costs about 5 ms of CPU here, most of it
-the pipeline's per-call machinery (input checks, column dispatch, parallel helpers), not
-the features. The gateway classifies every request on its event loop, so a trained
-classifier predicts with :class:`_LinearScorer` instead: the same fitted vectorizers,
-IDF weights, scaler and coefficients applied to one prompt directly, with the same
-probabilities (tests compare the two on every training prompt), in well under a
-millisecond.
+One prediction through the scikit-learn pipeline costs about 3 ms of CPU here
+(``specpilot bench classifier`` measures both paths), most of it the pipeline's per-call
+machinery (input checks, column dispatch, parallel helpers), not the features. The
+gateway classifies every request on its event loop, so a trained classifier predicts
+with :class:`_LinearScorer` instead: the same fitted vectorizers, IDF weights, scaler
+and coefficients applied to one prompt directly, with the same probabilities (tests
+compare the two on every training prompt), in well under a millisecond.
 
 This module does no I/O other than reading that package data: it turns strings and
 mappings into classes.
