@@ -43,6 +43,13 @@ def register(subparsers: Any) -> None:
         default=["default", "16"],
         help="budgets to try ('default' = vLLM's own; default: default 16)",
     )
+    knee.add_argument(
+        "--temperature",
+        nargs="*",
+        type=float,
+        default=[0.0],
+        help="sampling temperatures to try (default: 0, greedy)",
+    )
     knee.add_argument("--json", action="store_true", help="print the points as JSON")
     knee.set_defaults(func=_knee)
 
@@ -104,6 +111,7 @@ def _knee(args: argparse.Namespace) -> int:
     env, models = ensure_all()
     points = []
     for budget in args.batch_tokens:
-        points += measure(env, models, None if budget == "default" else int(budget))
+        tokens = None if budget == "default" else int(budget)
+        points += measure(env, models, tokens, temperatures=tuple(args.temperature))
     print(as_json(points) if args.json else report(points))
     return 0

