@@ -8,7 +8,9 @@ simulator produces the same type, so the policy cannot tell them apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +83,17 @@ class RequestObservation:
         if self.generation_time_s is None or not self.output_tokens or self.output_tokens < 2:
             return None
         return self.generation_time_s / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (how a follower replica hands it over)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RequestObservation:
+        """The inverse of :meth:`to_json`."""
+        spec = data.get("spec")
+        if spec is not None:
+            positions = spec.get("accepted_per_position")
+            positions = None if positions is None else tuple(positions)
+            spec = SpecDecodeRequestStats(**{**spec, "accepted_per_position": positions})
+        return cls(**{**data, "spec": spec})

@@ -322,6 +322,7 @@ class ControlLoop:
         self._acting_as_leader = await self._check_leadership()
         if not self.is_leader:
             await self._read(self._load, None)
+            await self._hand_over(now)
             self.last_tick_at = now
             return
         if not was_leader:
@@ -330,13 +331,14 @@ class ControlLoop:
         await self._flush()
 
         collected = await self.source.collect()
-        await self._store_collected(collected.observations, collected.windows, now)
+        observations = [*collected.observations, *await self._handed_over()]
+        await self._store_collected(observations, collected.windows, now)
         self.frozen = await self._read(
             lambda: bool(self.store.get_state(FROZEN_KEY, False)), self.frozen
         )
         self.metrics.frozen.set(1 if self.frozen else 0)
         if not self.frozen:
-            for observation in collected.observations:
+            for observation in observations:
                 self.policy.observe(observation)
 
         self.overrides = await self._read(lambda: self.store.active_overrides(now), self.overrides)
@@ -359,6 +361,30 @@ class ControlLoop:
         await self._snapshot(now)
         await self._housekeeping(now)
         self.last_tick_at = now
+
+    async def _hand_over(self, now: float) -> None:
+        """A follower whose source only it sees (its own gateway's requests) hands what
+        it collected to the leader through the store; without this, every request a
+        follower's gateway served would be lost to the policy. A source every replica
+        sees alike (scraping the fleet) is left to the leader, which reads it itself."""
+        if not getattr(self.source, "exclusive", False):
+            return
+        collected = await self.source.collect()
+        if collected.observations:
+            handed = [o.to_json() for o in collected.observations]
+            await self._write(Store.hand_over, handed, now, records=len(handed), droppable=True)
+
+    async def _handed_over(self) -> list[RequestObservation]:
+        """What followers handed over since the last iteration (see ``_hand_over``)."""
+        none: list[dict[str, Any]] = []
+        taken = await self._read(lambda: self.store.take_handed_over(), none)
+        observations = []
+        for data in taken:
+            try:
+                observations.append(RequestObservation.from_json(data))
+            except (TypeError, ValueError):
+                log.warning("dropped a handed-over observation that does not parse: %r", data)
+        return observations
 
     async def _store_collected(
         self, observations: Sequence[RequestObservation], windows: Sequence[Any], now: float
@@ -505,5 +531,6 @@ class ControlLoop:
                 if moved < ROLLUP_BATCH:
                     break
             self.store.purge_window_stats(now - store.observation_retention_s)
+            self.store.purge_handed_over(now - store.observation_retention_s)
 
         await self._read(clean, None)

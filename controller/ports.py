@@ -76,6 +76,14 @@ class Collected:
 
 
 class ObservationSource(Protocol):
+    """Where the loop's observations come from.
+
+    A source may set ``exclusive = True`` when what it collects only this replica sees
+    (its own gateway's requests): a follower replica then collects it too and hands it
+    to the leader through the store (``ControlLoop._hand_over``). Sources every replica
+    sees alike (scraping the fleet) leave it unset; only the leader reads them.
+    """
+
     async def collect(self) -> Collected:
         """Everything new since the last call (per-request observations, window stats)."""
         ...

@@ -145,6 +145,9 @@ class QueuedObservations:
     memory up to the bound, never more.
     """
 
+    exclusive = True
+    """Only this replica sees these requests: a follower hands them to the leader."""
+
     def __init__(self, limit: int = 100_000) -> None:
         self._queue: deque[RequestObservation] = deque(maxlen=limit)
         self.dropped = 0

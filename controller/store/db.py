@@ -27,6 +27,7 @@ from controller.store.models import (
     AlertRow,
     Base,
     DecisionRow,
+    HandoverRow,
     ObservationRollupRow,
     ObservationRow,
     OverrideRow,
@@ -45,6 +46,8 @@ from controller.store.records import (
 )
 
 ROLLUP_BATCH = 50_000
+HANDOVER_BATCH = 20_000
+"""Handed-over observations the leader takes per iteration at most (the rest next time)."""
 """Raw rows rolled up per call, so one call never holds a long transaction."""
 
 
@@ -188,6 +191,29 @@ class Store:
                 )
                 for r in records
             )
+
+    def hand_over(self, observations: Sequence[dict[str, Any]], ts: float) -> None:
+        """Queue observations a follower replica's gateway saw for the leader to learn
+        from (``RequestObservation.to_json``); see :meth:`take_handed_over`."""
+        with self._session() as session, session.begin():
+            session.add_all(HandoverRow(ts=ts, observation=o) for o in observations)
+
+    def take_handed_over(self, limit: int = HANDOVER_BATCH) -> list[dict[str, Any]]:
+        """The oldest handed-over observations, at most ``limit``, oldest first; they
+        are deleted in the same transaction, so each is taken once."""
+        with self._session() as session, session.begin():
+            rows = session.scalars(select(HandoverRow).order_by(HandoverRow.id).limit(limit)).all()
+            if rows:
+                ids = [row.id for row in rows]
+                session.execute(delete(HandoverRow).where(HandoverRow.id.in_(ids)))
+            return [row.observation for row in rows]
+
+    def purge_handed_over(self, before: float) -> int:
+        """Drop handed-over observations no leader took before ``before`` (a follower
+        whose leader was gone that long: by then they say nothing about the fleet)."""
+        with self._session() as session, session.begin():
+            result = session.execute(delete(HandoverRow).where(HandoverRow.ts < before))
+        return int(getattr(result, "rowcount", 0) or 0)
 
     def add_window_stats(self, records: Sequence[WindowStatRecord]) -> None:
         if not records:

@@ -132,6 +132,16 @@ class PolicySnapshotRow(Base):
     state: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
+class HandoverRow(Base):
+    """A request a follower replica's gateway served, waiting for the leader to learn
+    from it (``RequestObservation.to_json``); the leader deletes what it takes."""
+
+    __tablename__ = "observation_handover"
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(Float)
+    observation: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
 class ServiceStateRow(Base):
     """Small named values that must survive restarts (e.g. whether the policy is frozen)."""
 

@@ -81,9 +81,11 @@ class ScriptedPolicy:
 
 
 class QueueSource:
-    def __init__(self) -> None:
+    def __init__(self, *, exclusive: bool = False) -> None:
         self.batches: deque[Collected] = deque()
         self.closed = False
+        self.exclusive = exclusive
+        """As ``controller.ports.ObservationSource`` says: only this replica sees it."""
 
     async def collect(self) -> Collected:
         return self.batches.popleft() if self.batches else Collected()

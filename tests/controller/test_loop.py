@@ -59,10 +59,10 @@ class RecordingActuator:
 
 
 class Harness:
-    def __init__(self, settings: Settings, leadership: Any = None) -> None:
+    def __init__(self, settings: Settings, leadership: Any = None, *, exclusive: bool = False):
         self.clock = Clock()
         self.policy = ScriptedPolicy(settings.buckets)
-        self.source = QueueSource()
+        self.source = QueueSource(exclusive=exclusive)
         self.actuator = RecordingActuator()
         self.service: Service = build_service(
             settings,
@@ -299,6 +299,49 @@ def test_follower_reads_and_takes_over_warm(tmp_path: Path) -> None:
         h.tick(1002.0)
         assert h.decisions()[0].arm == "ngram:3" and h.decisions()[0].previous_arm == "tiny:2"
         assert len(h.actuator.calls) == 1  # the new leader pushes every pool once
+    finally:
+        h.close()
+
+
+def test_followers_hand_their_gateways_observations_to_the_leader(
+    tmp_path: Path, pg: PgDatabase
+) -> None:
+    """Two replicas on one PostgreSQL, each with its own gateway (an exclusive source):
+    what the follower's gateway served reaches the leader's policy, once."""
+    leader = Harness(
+        make_settings(tmp_path / "a", pg.url), AdvisoryLockLeader(pg.url), exclusive=True
+    )
+    follower = Harness(
+        make_settings(tmp_path / "b", pg.url), AdvisoryLockLeader(pg.url), exclusive=True
+    )
+    try:
+        leader.tick(1000.0)
+        follower.tick(1000.0)
+        assert leader.loop.is_leader and not follower.loop.is_leader
+        served = observation("ngram:3", 0.01, finished_at=1000.5)
+        follower.source.batches.append(Collected((served, observation("off", 0.02))))
+        leader.source.batches.append(Collected((observation("off", 0.03),)))
+        follower.tick(1001.0)
+        assert not follower.source.batches  # collected, not left to pile up
+        assert follower.policy.observed == 0  # a follower does not learn
+        leader.tick(1002.0)
+        assert leader.policy.observed == 3
+        assert leader.policy.mean(CODE_LOW, "ngram:3") == 0.01
+        assert leader.store.count_observations() == 3
+        leader.tick(1003.0)
+        assert leader.policy.observed == 3  # taken once
+    finally:
+        follower.close()
+        leader.close()
+
+
+def test_a_follower_leaves_a_shared_source_to_the_leader(tmp_path: Path) -> None:
+    """A source every replica sees (scraping the fleet) is the leader's to read."""
+    h = Harness(make_settings(tmp_path), leadership=Follower())
+    try:
+        h.source.batches.append(Collected((observation("off", 0.02),)))
+        h.tick(1000.0)
+        assert len(h.source.batches) == 1 and h.store.take_handed_over() == []
     finally:
         h.close()
 

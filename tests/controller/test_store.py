@@ -9,6 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
+from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from controller.contexts import Context
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store, StoreUnavailable
@@ -41,6 +42,35 @@ def test_migrations_create_the_models_schema(store: Store) -> None:
         tables = set(inspect(connection).get_table_names())
     assert {"decisions", "overrides", "alerts", "observations", "policy_snapshots"} <= tables
     store.migrate()  # idempotent
+
+
+def test_handed_over_observations_are_taken_once_in_order(store: Store) -> None:
+    full = RequestObservation(
+        model="m",
+        prompt_tokens=300,
+        output_tokens=48,
+        ttft_s=0.04,
+        mean_itl_s=0.0015,
+        generation_time_s=0.07,
+        spec=SpecDecodeRequestStats(11, 44, 30, (10, 8, 7, 5)),
+        workload_class="code",
+        pool="p",
+        arm="ngram:4",
+        concurrency=3,
+        finished_at=1000.5,
+        e2e_s=0.12,
+    )
+    bare = RequestObservation("m", None, None, None, None, None, None)
+    store.hand_over([full.to_json(), bare.to_json()], ts=1000.0)
+    store.hand_over([bare.to_json()], ts=1001.0)
+    taken = store.take_handed_over(limit=2)
+    assert [RequestObservation.from_json(o) for o in taken] == [full, bare]
+    assert len(store.take_handed_over()) == 1
+    assert store.take_handed_over() == []
+    store.hand_over([bare.to_json()], ts=1000.0)
+    store.hand_over([bare.to_json()], ts=2000.0)
+    assert store.purge_handed_over(before=1500.0) == 1
+    assert len(store.take_handed_over()) == 1
 
 
 def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
