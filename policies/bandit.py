@@ -100,18 +100,19 @@ def _quantile(values: FloatArray, q: float) -> float:
     return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
 
 
-def decode_steps(spec: SpecDecodeRequestStats, output_tokens: int | None) -> int | None:
-    """The decode steps a speculating request took, those that drafted nothing included.
+def steps_taken(spec: SpecDecodeRequestStats, output_tokens: int | None) -> int | None:
+    """The engine steps that emitted a speculating request's tokens, the first included.
 
     vLLM's ``num_drafts`` counts only the verify steps that carried drafts; an n-gram
     proposer finds none where the text so far has no earlier match, and such a step
-    emits one token at one position's cost. Every decode step emits 1 + its accepted
-    tokens, so after the prefill's first token a request took ``output - 1 - accepted``
-    of them. Counting drafted steps alone spreads its time over too few steps (its step
-    cost looks dearer) and its acceptance over too few chances (it looks higher): on
-    the testbed's code prompts 11 of a request's 17 decode steps drafted. Never fewer
-    than ``num_drafts``: an engine that emits no separate first token (the simulator)
-    or truncates the last step's accepted tokens gives less. None where vLLM did not
+    emits one token at one position's cost. Every step emits 1 + its accepted tokens
+    (the prefill's, which makes the first token, accepts none), so a request took
+    ``output - accepted`` of them, as an unspeculated one took ``output``. Counting
+    drafted steps alone spreads its time over too few steps (its step cost looks
+    dearer) and its acceptance over too few chances (it looks higher): on the
+    testbed's code prompts 11 of a request's 17 decode steps drafted. Never fewer than
+    ``num_drafts``: an engine whose first step drafts too (the simulator) or that
+    counts accepted tokens past the request's end gives less. None where vLLM did not
     say."""
     if spec.num_drafts is None or output_tokens is None:
         return None
@@ -120,7 +121,7 @@ def decode_steps(spec: SpecDecodeRequestStats, output_tokens: int | None) -> int
         accepted = sum(spec.accepted_per_position)
     if accepted is None:
         return None
-    return max(spec.num_drafts, output_tokens - 1 - accepted)
+    return max(spec.num_drafts, output_tokens - accepted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +387,9 @@ class SpecPilotPolicy:
             and spec.num_drafts
             and spec.accepted_per_position is not None
         ):
-            steps = decode_steps(spec, observation.output_tokens) or spec.num_drafts
+            # The chances to draft: every step but the prefill's (where that is a step).
+            taken = steps_taken(spec, observation.output_tokens)
+            steps = spec.num_drafts if taken is None else max(spec.num_drafts, taken - 1)
             self._learn_acceptance(model, cls, arm.proposer, spec.accepted_per_position, steps, now)
 
     def set_override(
@@ -754,10 +757,7 @@ class SpecPilotPolicy:
         spec = observation.spec
         steps = observation.output_tokens
         if arm.proposer is not None and spec is not None:
-            decoded = decode_steps(spec, observation.output_tokens)
-            # Steps in all: the decode steps and, like an unspeculated request's count
-            # of one step per token, the prefill's step that made the first token.
-            steps = decoded + 1 if decoded is not None else spec.num_drafts
+            steps = steps_taken(spec, observation.output_tokens) or spec.num_drafts
         if not steps or steps < 2:
             return
         # A gateway's end-to-end time is what the client paid, queueing and prefill

@@ -16,7 +16,7 @@ import pytest
 import policies.bandit as bandit
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from policies.arms import OFF, Arm, Context
-from policies.bandit import BanditConfig, SpecPilotPolicy, decode_steps
+from policies.bandit import BanditConfig, SpecPilotPolicy, steps_taken
 
 NGRAM = Arm("ngram", 4)
 CONTEXT = Context("tiny-llama", "code", "1")
@@ -69,13 +69,13 @@ def one_stream(requests: int, seed: int = 5) -> SpecPilotPolicy:
     return policy
 
 
-def test_decode_steps_count_the_steps_that_drafted_nothing() -> None:
+def test_steps_taken_count_the_steps_that_drafted_nothing() -> None:
     # vLLM: 48 tokens = the prefill's first + 30 accepted + one per decode step.
-    assert decode_steps(spec(11, (10, 8, 7, 5)), 48) == 17
-    # An engine without a separate first token (the simulator): its drafts are all.
-    assert decode_steps(spec(12, (10, 8, 7, 5)), 42) == 12
-    assert decode_steps(SpecDecodeRequestStats(None, None, None), 48) is None
-    assert decode_steps(SpecDecodeRequestStats(11, 44, None, None), 48) is None
+    assert steps_taken(spec(11, (10, 8, 7, 5)), 48) == 18
+    # An engine whose first step drafts too (the simulator): its drafts are all.
+    assert steps_taken(spec(12, (10, 8, 7, 5)), 42) == 12
+    assert steps_taken(SpecDecodeRequestStats(None, None, None), 48) is None
+    assert steps_taken(SpecDecodeRequestStats(11, 44, None, None), 48) is None
 
 
 @pytest.mark.parametrize("seed", [5, 6, 7])
