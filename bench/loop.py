@@ -76,14 +76,18 @@ CORES = ("0", "1")
 """The machine's cores: one server of each config is bound to each."""
 
 
-def pool_settings(ngram_urls: list[str], off_urls: list[str], data_dir: Path) -> Settings:
-    """Two pools of the tiny model: n-gram γ=4 and no speculation."""
+def pool_settings(
+    ngram_urls: list[str], off_urls: list[str], data_dir: Path, **extra: Any
+) -> Settings:
+    """Two pools of the tiny model: n-gram γ=4 and no speculation (also the e2e loop
+    test's fleet); ``extra`` sets other top-level settings."""
     tuning = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
     return Settings.model_validate(
         {
             "data_dir": data_dir,
             "classes": ["code"],
             "policy": {"min_dwell_s": 5.0},
+            **extra,
             "fleet": {
                 "pools": {
                     "ngram": {

@@ -367,15 +367,23 @@ class ControlLoop:
         it collected to the leader through the store; without this, every request a
         follower's gateway served would be lost to the policy. A source every replica
         sees alike (scraping the fleet) is left to the leader, which reads it itself."""
-        if not getattr(self.source, "exclusive", False):
+        if not self._source_is_exclusive:
             return
         collected = await self.source.collect()
         if collected.observations:
             handed = [o.to_json() for o in collected.observations]
             await self._write(Store.hand_over, handed, now, records=len(handed), droppable=True)
 
+    @property
+    def _source_is_exclusive(self) -> bool:
+        """See ``controller.ports.ObservationSource``: replicas share the settings, so
+        where the leader's source is not exclusive, no follower hands anything over."""
+        return bool(getattr(self.source, "exclusive", False))
+
     async def _handed_over(self) -> list[RequestObservation]:
         """What followers handed over since the last iteration (see ``_hand_over``)."""
+        if not self._source_is_exclusive:
+            return []
         none: list[dict[str, Any]] = []
         taken = await self._read(lambda: self.store.take_handed_over(), none)
         observations = []

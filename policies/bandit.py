@@ -765,7 +765,7 @@ class SpecPilotPolicy:
         # own decode time per step is the fallback.
         if observation.e2e_s is not None and observation.e2e_s > 0:
             duration = observation.e2e_s
-            per_step = self._charged_e2e(model, observation.e2e_s, observation) / steps
+            per_step = self._charged_e2e(model, observation) / steps
         elif observation.generation_time_s is not None and observation.generation_time_s > 0:
             duration = observation.generation_time_s
             per_step = duration / (steps - 1)
@@ -777,7 +777,7 @@ class SpecPilotPolicy:
             return
         self._cost_model(model).update(rows, per_step, now)
 
-    def _charged_e2e(self, model: str, e2e_s: float, observation: RequestObservation) -> float:
+    def _charged_e2e(self, model: str, observation: RequestObservation) -> float:
         """A request's end-to-end time with its part outside vLLM's decode capped at
         ``_OVERHEAD_CAP`` times the median of the model's last ``_OVERHEAD_WINDOW``.
 
@@ -790,6 +790,8 @@ class SpecPilotPolicy:
         request, spread over 16 verify steps, outweighed twenty normal ones in the
         step-cost fit and kept a 1.7× faster arm off (tests/e2e/test_loop_vllm.py).
         """
+        e2e_s = observation.e2e_s
+        assert e2e_s is not None
         decode = observation.generation_time_s
         if decode is None or not 0.0 < decode <= e2e_s:
             return e2e_s

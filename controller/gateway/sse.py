@@ -11,9 +11,9 @@ onto it the way vLLM would have, and drops the usage chunk.
 
 Only complete events are forwarded; an event split across reads waits for its end. Every
 event goes through as the bytes vLLM sent, unparsed: the relay looks for byte markers, and
-the usage chunk is decoded only when asked for (:attr:`SseRelay.usage_chunk`), after the
-client has its response: decoding it (its metrics are mostly floats) is work the client
-need not wait for.
+the usage chunk is kept as received (:attr:`SseRelay.usage_data`) and decoded by the
+observation, after the client has its response: decoding it (its metrics are mostly
+floats) is work the client need not wait for.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ _DATA = b"data: "
 class SseRelay:
     """Feed it the upstream body as it arrives; it returns what to send the client now.
 
-    ``strip_usage`` is True when the gateway added ``include_usage`` itself. The parsed
-    usage chunk, when one arrived, is in :attr:`usage_chunk` afterwards either way.
+    ``strip_usage`` is True when the gateway added ``include_usage`` itself. The usage
+    chunk's JSON, when one arrived, is in :attr:`usage_data` afterwards either way
+    (:func:`json_object` decodes it).
     """
 
     __slots__ = ("_held", "_pending", "strip_usage", "usage_data")
@@ -49,11 +50,6 @@ class SseRelay:
         """The usage chunk's JSON as received, when one came."""
         self._pending = b""
         self._held: list[bytes] = []
-
-    @property
-    def usage_chunk(self) -> dict[str, Any] | None:
-        """The usage chunk, decoded (None when none came or it is not a JSON object)."""
-        return None if self.usage_data is None else json_object(self.usage_data)
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to forward now: every event completed by ``data``, possibly rewritten."""
@@ -137,10 +133,8 @@ def _fingerprint(event: bytes) -> bytes | None:
     end = event.find(b'"', at + 1)
     if end > 0 and event[end - 1 : end] == b"\\":
         # An escaped quote inside the string (never in vLLM's own fingerprints): decode.
-        try:
-            value = json.loads(event[len(_DATA) :]).get("system_fingerprint")
-        except (ValueError, AttributeError):
-            return None
+        chunk = json_object(event[len(_DATA) :])
+        value = chunk.get("system_fingerprint") if chunk is not None else None
         return json.dumps(value).encode() if isinstance(value, str) else None
     return event[at : end + 1] if end > 0 else None
 

@@ -46,9 +46,9 @@ from controller.store.records import (
 )
 
 ROLLUP_BATCH = 50_000
+"""Raw rows rolled up per call, so one call never holds a long transaction."""
 HANDOVER_BATCH = 20_000
 """Handed-over observations the leader takes per iteration at most (the rest next time)."""
-"""Raw rows rolled up per call, so one call never holds a long transaction."""
 
 
 class StoreUnavailable(RuntimeError):

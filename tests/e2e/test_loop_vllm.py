@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+from bench.loop import pool_settings
 from collectors.observations import RequestObservation
 from controller.api import create_app
 from controller.contexts import Context
@@ -41,32 +42,14 @@ TAIL = 20
 
 
 def settings_for(ngram_url: str, off_url: str, data_dir: Path) -> Settings:
-    ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return Settings.model_validate(
-        {
-            "data_dir": data_dir,
-            "classes": ["code"],
-            "scrape_interval_s": 0.5,
-            "policy": {"min_dwell_s": 5.0, "measure_after_s": 10.0},
-            "api": {"port": 0},
-            "fleet": {
-                "pools": {
-                    "ngram": {
-                        "model": SERVED_MODEL,
-                        "instances": [ngram_url],
-                        "speculative_config": {**ngram, "num_speculative_tokens": 4},
-                        "proposers": {
-                            "ngram": {
-                                "method": "ngram",
-                                "gamma": [4, 4],
-                                "tuning": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
-                            }
-                        },
-                    },
-                    "off": {"model": SERVED_MODEL, "instances": [off_url]},
-                }
-            },
-        }
+    """``bench loop``'s two pools, one server each, with the service's loop ticking fast."""
+    return pool_settings(
+        [ngram_url],
+        [off_url],
+        data_dir,
+        scrape_interval_s=0.5,
+        policy={"min_dwell_s": 5.0, "measure_after_s": 10.0},
+        api={"port": 0},
     )
 
 

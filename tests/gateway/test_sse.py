@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.gateway.sse import SseRelay
+from controller.gateway.sse import SseRelay, json_object
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 _ID = re.compile(rb'"id":"[^"]*"')
@@ -29,8 +29,9 @@ def test_stripping_the_usage_chunk_gives_what_vllm_sends_without_it(config: str)
     relay = SseRelay(strip_usage=True)
     out = relay_all(relay, [with_usage])
     assert normalise_ids(out) == normalise_ids(without)
-    assert relay.usage_chunk is not None
-    assert relay.usage_chunk["usage"]["completion_tokens"] > 0
+    usage = json_object(relay.usage_data or b"")
+    assert usage is not None
+    assert usage["usage"]["completion_tokens"] > 0
     assert b'"system_fingerprint"' in out and b'"usage"' not in out
 
 
@@ -58,8 +59,9 @@ def test_client_asked_usage_passes_through_unchanged(name: str) -> None:
     relay = SseRelay(strip_usage=False)
     pieces = [data[i : i + 50] for i in range(0, len(data), 50)]
     assert relay_all(relay, pieces) == data
-    assert relay.usage_chunk is not None
-    spec = relay.usage_chunk["metrics"]["speculative_decoding"]
+    usage = json_object(relay.usage_data or b"")
+    assert usage is not None
+    spec = usage["metrics"]["speculative_decoding"]
     assert spec["num_draft_tokens"] >= spec["num_accepted_draft_tokens"] > 0
 
 
@@ -68,7 +70,7 @@ def test_stream_cut_before_the_usage_chunk_is_forwarded_as_cut() -> None:
     cut = data[: data.index(b'"choices":[]')]
     relay = SseRelay(strip_usage=True)
     assert relay_all(relay, [cut]) == cut
-    assert relay.usage_chunk is None
+    assert relay.usage_data is None
 
 
 def test_done_without_usage_releases_held_terminal_chunk_unchanged() -> None:
@@ -130,4 +132,5 @@ def test_terminal_chunk_gets_the_usage_chunks_fingerprint_as_json(
         assert out == terminal + b"data: [DONE]\n\n"
     else:
         assert out == terminal.replace(b"}]}", b"}]," + stamped + b"}") + b"data: [DONE]\n\n"
-    assert relay.usage_chunk is not None and relay.usage_chunk["usage"]["completion_tokens"] == 1
+    decoded = json_object(relay.usage_data or b"")
+    assert decoded is not None and decoded["usage"]["completion_tokens"] == 1
