@@ -15,6 +15,7 @@ BENCHMARKS: tuple[str, ...] = (
     "bench.policy",
     "bench.gateway",
     "bench.loop",
+    "bench.sidecar",
     "bench.classifier",
     "bench.scale",
 )

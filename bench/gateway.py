@@ -1,18 +1,22 @@
 """Gateway overhead: the same streams straight to the upstream and through the gateway.
 
-``python -m bench.gateway [--upstream vllm|replay] [--gateway-server native|uvicorn] [--json]``
+``python -m bench.gateway [--upstream vllm|replay] [--gateway-server native|uvicorn]
+[--workers N] [--json]``
 
 For each concurrency level (1, 16, 64 streams) every stream alternates between going
 straight to the upstream and going through a gateway (``specpilot gateway`` in its own
-process) in front of the same upstream, half the streams starting on each path, so both
-paths always see the same upstream load; it reports
+processes) in front of the same upstream, half the streams starting on each path, so
+both paths always see the same upstream load. The native gateway is measured twice per
+level, as ``serve`` runs it (``--workers``, default one worker process per core: the
+level's figures) and with one worker (``by_workers``: ``{"1": ..., "N": ...}``, each
+with the keys below). It reports
 
 - ``added_p50_ms`` / ``added_p99_ms``: the quantile of end-to-end stream time through the
   gateway minus the same quantile straight to the upstream (a difference of quantiles,
   both from the same interleaved run);
 - ``added_ttfb_p50_ms``: the same for the time to the first body byte;
-- ``cpu_ms_per_request``: CPU time (user + system) of the gateway process over its phases,
-  per request.
+- ``cpu_ms_per_request``: CPU time (user + system) of the gateway's processes (its
+  workers and the process that supervises them) over its phases, per request.
 
 Upstreams:
 
@@ -26,6 +30,18 @@ Upstreams:
 ``--gateway-server`` picks the gateway's front end (``specpilot gateway --server``): its
 own HTTP/1.1 server (``native``, the default) or uvicorn over the ASGI interface, so the
 two can be compared on the same machine.
+
+``--peers`` also puts the proxies users would run instead in front of the same upstream
+(see :mod:`bench.peers`, which installs them once): nginx, a C reverse proxy and so the
+floor for any HTTP hop, and the LiteLLM proxy, an OpenAI-compatible Python gateway with
+the upstream as its ``hosted_vllm`` backend. At each level every proxy is measured the
+same way as the gateway, right after it: streams alternating between it and straight
+to the upstream, so each has a direct baseline taken beside it. The level then carries
+``proxies: {specpilot, nginx, litellm}`` (added p50 / p99, CPU per request of the
+proxy's whole process tree; with more than one worker also ``specpilot_1_worker``) and
+``peer_checks``: specpilot's added p50 and p99 at most 1.5 × nginx's and 0.25 ×
+LiteLLM's, its CPU per request at most 0.25 × LiteLLM's (``peer_checks_1_worker``: the
+same for one worker). nginx runs one worker process, LiteLLM one.
 
 The load generator is a raw asyncio HTTP/1.1 client with one keep-alive connection per
 stream, so the client itself costs little CPU on a machine the three processes share.
@@ -41,6 +57,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -227,16 +244,30 @@ async def run_mixed(
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process's threads, from /proc/PID/task/*/schedstat.
+    """CPU seconds (user + system) of a process's threads and of its descendants', from
+    /proc/PID/task/*/schedstat (nginx serves from a worker its master forked).
 
     Nanosecond resolution: /proc/PID/stat counts clock ticks (10 ms), a sizeable share of
     a phase's total at one stream (64 streams of about 1 ms each on the vllm upstream).
     """
     total = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            total += int(stat.read_text().split()[0])
+    for member in process_tree(pid):
+        for stat in Path(f"/proc/{member}/task").glob("*/schedstat"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += int(stat.read_text().split()[0])
     return total / 1e9
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (from each task's /proc children list)."""
+    tree, queue = [], [pid]
+    while queue:
+        member = queue.pop()
+        tree.append(member)
+        for children in Path(f"/proc/{member}/task").glob("*/children"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                queue.extend(int(c) for c in children.read_text().split())
+    return tree
 
 
 def runqueue_wait_s(pid: int) -> float:
@@ -330,19 +361,45 @@ async def measure_level(
 
 
 @contextlib.contextmanager
-def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterator[int]:
-    """A child process in its own group, yielded (its pid) once ``ready_url`` answers 200."""
-    process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
+def child(
+    command: list[str],
+    ready_url: str,
+    timeout_s: float = 60.0,
+    *,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    cwd: Path | None = None,
+) -> Iterator[int]:
+    """A child process in its own group, yielded (its pid) once ``ready_url`` answers 200.
+
+    ``log``: where its output goes (default: inherited); its tail is in the error if
+    the process does not come up."""
+    out = log.open("ab") if log is not None else None
+    process = subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT if out is not None else None,
+        env=env,
+        cwd=cwd,
+    )
+
+    def tail() -> str:
+        if log is None:
+            return ""
+        return "\n" + log.read_text(errors="replace")[-2000:]
+
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"{command[:4]} exited with {process.returncode}")
+                raise RuntimeError(f"{command[:4]} exited with {process.returncode}{tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(ready_url, timeout=1.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{command[:4]} not ready after {timeout_s:.0f} s")
+                raise RuntimeError(f"{command[:4]} not ready after {timeout_s:.0f} s{tail()}")
             time.sleep(0.1)
         yield process.pid
     finally:
@@ -353,6 +410,8 @@ def child(command: list[str], ready_url: str, timeout_s: float = 60.0) -> Iterat
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        if out is not None:
+            out.close()
 
 
 class _Pipe(asyncio.Protocol):
@@ -399,7 +458,9 @@ async def serve_relay(port: int, upstream_port: int) -> None:
         await server.serve_forever()
 
 
-def gateway_command(port: int, upstream_url: str, server: str = "native") -> list[str]:
+def gateway_command(
+    port: int, upstream_url: str, server: str = "native", workers: int | None = None
+) -> list[str]:
     if server == "relay":
         upstream_port = upstream_url.rsplit(":", 1)[1]
         return [sys.executable, "-m", "bench.gateway", "--serve-relay", str(port),
@@ -415,6 +476,7 @@ def gateway_command(port: int, upstream_url: str, server: str = "native") -> lis
         f"bench={upstream_url}",
         "--server",
         server,
+        *(["--workers", str(workers)] if workers is not None else []),
     ]
 
 
@@ -447,43 +509,236 @@ def upstream(args: argparse.Namespace) -> Iterator[tuple[int, int | None, bytes]
         yield server.port, None, json.dumps(request).encode()
 
 
+NGINX_CONF = """\
+daemon off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {root}/body;
+    proxy_temp_path {root}/proxy;
+    fastcgi_temp_path {root}/fastcgi;
+    uwsgi_temp_path {root}/uwsgi;
+    scgi_temp_path {root}/scgi;
+    upstream bench {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=1024;
+        location / {{
+            proxy_pass http://bench;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"""
+"""One worker (the gateway is one process too), no access log, keep-alive to the
+upstream and no response buffering, so tokens stream through as they come."""
+
+LITELLM_CONF = """\
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: hosted_vllm/{model}
+      api_base: {upstream_url}/v1
+      api_key: none
+litellm_settings:
+  telemetry: false
+"""
+
+PEER_GOALS = {
+    "vs_nginx_latency": 1.5,
+    "vs_litellm_latency": 0.25,
+    "vs_litellm_cpu": 0.25,
+}
+
+
+@contextlib.contextmanager
+def nginx_proxy(nginx: Path, upstream_port: int, root: Path) -> Iterator[tuple[int, int]]:
+    """nginx (one worker) in front of the upstream: (port, master pid)."""
+    port = free_port()
+    for folder in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    conf = root / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(root=root, upstream_port=upstream_port, port=port))
+    command = [str(nginx), "-p", str(root), "-c", str(conf), "-e", str(root / "error.log")]
+    with child(command, f"http://127.0.0.1:{port}/v1/models", log=root / "nginx.out") as pid:
+        yield port, pid
+
+
+@contextlib.contextmanager
+def litellm_proxy(
+    litellm: Path, upstream_port: int, model: str, root: Path
+) -> Iterator[tuple[int, int]]:
+    """The LiteLLM proxy (one worker) with the upstream as its backend: (port, pid)."""
+    port = free_port()
+    conf = root / "litellm.yaml"
+    conf.write_text(
+        LITELLM_CONF.format(model=model, upstream_url=f"http://127.0.0.1:{upstream_port}")
+    )
+    # The model price list ships with the package: no fetch at start-up (no network).
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    command = [str(litellm), "--config", str(conf), "--host", "127.0.0.1",
+               "--port", str(port), "--num_workers", "1"]  # fmt: skip
+    ready = f"http://127.0.0.1:{port}/health/liveliness"
+    with child(command, ready, 240.0, env=env, log=root / "litellm.out", cwd=root) as pid:
+        yield port, pid
+
+
+@contextlib.contextmanager
+def peer_proxies(
+    upstream_port: int, model: str, root: Path
+) -> Iterator[dict[str, tuple[int, int]]]:
+    """nginx and the LiteLLM proxy in front of the upstream (installed once if missing,
+    see :mod:`bench.peers`): name → (port, pid)."""
+    from bench.peers import ensure_litellm, ensure_nginx
+
+    nginx, litellm = ensure_nginx(), ensure_litellm()
+    with (
+        nginx_proxy(nginx, upstream_port, root) as nginx_at,
+        litellm_proxy(litellm, upstream_port, model, root) as litellm_at,
+    ):
+        yield {"nginx": nginx_at, "litellm": litellm_at}
+
+
+def _proxy_summary(result: LevelResult) -> dict[str, float]:
+    return {
+        "added_p50_ms": result.added_p50_ms,
+        "added_p99_ms": result.added_p99_ms,
+        "added_ttfb_p50_ms": result.added_ttfb_p50_ms,
+        "cpu_ms_per_request": result.cpu_ms_per_request,
+        "direct_p50_ms": result.direct_p50_ms,
+        "through_p50_ms": result.gateway_p50_ms,
+        "requests": result.requests,
+    }
+
+
+def peer_checks(proxies: dict[str, dict[str, float]]) -> dict[str, bool]:
+    """The issue's goals for one level: specpilot's added latency against nginx's and
+    LiteLLM's, its CPU per request against LiteLLM's."""
+    ours, nginx, litellm = proxies["specpilot"], proxies["nginx"], proxies["litellm"]
+    out = {}
+    for q in ("p50", "p99"):
+        key = f"added_{q}_ms"
+        out[f"{q}_vs_nginx"] = ours[key] <= PEER_GOALS["vs_nginx_latency"] * nginx[key]
+        out[f"{q}_vs_litellm"] = ours[key] <= PEER_GOALS["vs_litellm_latency"] * litellm[key]
+    out["cpu_vs_litellm"] = (
+        ours["cpu_ms_per_request"] <= PEER_GOALS["vs_litellm_cpu"] * litellm["cpu_ms_per_request"]
+    )
+    return out
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    levels: list[LevelResult] = []
-    with upstream(args) as (upstream_port, upstream_pid, body):
-        gateway_port = free_port()
-        command = gateway_command(
-            gateway_port, f"http://127.0.0.1:{upstream_port}", args.gateway_server
-        )
-        with child(command, f"http://127.0.0.1:{gateway_port}/v1/models") as pid:
-            for concurrency in args.levels:
-                requests = max(args.requests, 8 * concurrency)
-                result = asyncio.run(
+    from controller.gateway.workers import default_workers
+
+    levels: list[dict[str, Any]] = []
+    many = args.workers or default_workers()
+    counts = [many] if args.gateway_server != "native" else sorted({1, many}, reverse=True)
+    with contextlib.ExitStack() as stack:
+        upstream_port, upstream_pid, body = stack.enter_context(upstream(args))
+        gateways: dict[int, tuple[int, int]] = {}
+        for workers in counts:
+            port = free_port()
+            command = gateway_command(
+                port, f"http://127.0.0.1:{upstream_port}", args.gateway_server, workers
+            )
+            gateways[workers] = (
+                port,
+                stack.enter_context(child(command, f"http://127.0.0.1:{port}/v1/models")),
+            )
+        peers: dict[str, tuple[int, int]] = {}
+        if args.peers:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-peers-")))
+            model = json.loads(body).get("model", "tiny-llama")
+            peers = stack.enter_context(peer_proxies(upstream_port, model, root))
+        for concurrency in args.levels:
+            requests = max(args.requests, 8 * concurrency)
+
+            def measure(
+                port: int, proxy_pid: int, concurrency: int = concurrency, requests: int = requests
+            ) -> LevelResult:
+                return asyncio.run(
                     measure_level(
                         concurrency,
                         requests,
                         ("127.0.0.1", upstream_port),
-                        ("127.0.0.1", gateway_port),
-                        pid,
+                        ("127.0.0.1", port),
+                        proxy_pid,
                         upstream_pid,
                         "/v1/completions",
                         body,
                     )
                 )
-                levels.append(result)
+
+            # The default (one worker per core) first: its figures are the level's.
+            by_workers = {workers: measure(*gateways[workers]) for workers in counts}
+            result = by_workers[many]
+            level: dict[str, Any] = asdict(result)
+            if args.gateway_server == "native":
+                level["by_workers"] = {str(w): _proxy_summary(r) for w, r in by_workers.items()}
+            if not args.json:
+                for workers, measured in by_workers.items():
+                    print(_row(measured, workers), flush=True)
+            if peers:
+                proxies = {"specpilot": _proxy_summary(result)}
+                if 1 in by_workers and many != 1:
+                    proxies["specpilot_1_worker"] = _proxy_summary(by_workers[1])
+                for name, (port, proxy_pid) in peers.items():
+                    proxies[name] = _proxy_summary(measure(port, proxy_pid))
+                level["proxies"] = proxies
+                level["peer_checks"] = peer_checks(proxies)
+                if 1 in by_workers and many != 1:
+                    one = {**proxies, "specpilot": proxies["specpilot_1_worker"]}
+                    level["peer_checks_1_worker"] = peer_checks(one)
                 if not args.json:
-                    print(_row(result), flush=True)
+                    print(_peer_rows(concurrency, proxies, level["peer_checks"]), flush=True)
+            levels.append(level)
     return {
         "upstream": args.upstream,
         "chunk_interval_ms": args.chunk_interval_ms if args.upstream == "replay" else None,
         "gateway_server": args.gateway_server,
+        "workers": many,
         "goal": {"added_p50_ms": GOAL_P50_MS, "added_p99_ms": GOAL_P99_MS},
-        "levels": [asdict(level) for level in levels],
+        **({"peer_goals": PEER_GOALS, "peers": _peer_versions()} if args.peers else {}),
+        "levels": levels,
     }
 
 
-def _row(r: LevelResult) -> str:
+def _peer_versions() -> dict[str, str]:
+    from bench.peers import LITELLM_PACKAGE, ensure_nginx
+
+    nginx = subprocess.run([str(ensure_nginx()), "-v"], capture_output=True, text=True, check=False)
+    return {
+        "nginx": nginx.stderr.strip().removeprefix("nginx version: "),
+        "litellm": LITELLM_PACKAGE,
+    }
+
+
+def _peer_rows(
+    concurrency: int, proxies: dict[str, dict[str, float]], checks: dict[str, bool]
+) -> str:
+    lines = []
+    for name, row in proxies.items():
+        lines.append(
+            f"  {concurrency:>3} streams, {name:<9}: added p50 {row['added_p50_ms']:+.3f} ms, "
+            f"p99 {row['added_p99_ms']:+.3f} ms, CPU {row['cpu_ms_per_request']:.3f} ms/request"
+        )
+    lines.append(
+        "  goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items())
+    )
+    return "\n".join(lines)
+
+
+def _row(r: LevelResult, workers: int) -> str:
     return (
-        f"concurrency {r.concurrency:>3}: added p50 {r.added_p50_ms:+.3f} ms, "
+        f"concurrency {r.concurrency:>3}, {workers} worker{'s' if workers > 1 else ''}: "
+        f"added p50 {r.added_p50_ms:+.3f} ms, "
         f"p99 {r.added_p99_ms:+.3f} ms, ttfb p50 {r.added_ttfb_p50_ms:+.3f} ms, "
         f"gateway CPU {r.cpu_ms_per_request:.3f} ms/request"
         f" (waited for a CPU {r.runqueue_wait_ms_per_request:.3f})"
@@ -514,6 +769,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bare byte-copying TCP relay in its place, the floor for any Python proxy",
     )
     parser.add_argument("--chunk-interval-ms", type=float, default=2.0, help="replay only")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="the gateway's N (default: one per core); each level is also measured with 1",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also measure nginx and the LiteLLM proxy in front of the same upstream "
+        "(installed once by bench.peers: apt-get nginx, LiteLLM in its own venv)",
+    )
     parser.add_argument("--serve-replay", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", default="completion-ngram", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", type=int, metavar="PORT", help=argparse.SUPPRESS)

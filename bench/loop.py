@@ -7,9 +7,10 @@ vLLM-CPU servers from the testbed, all with its compute knee
 
 - all n-gram: both n-gram servers, behind a gateway (least-in-flight);
 - all off: both off servers, behind a gateway;
-- specpilot: a gateway with two pools, n-gram on core 0 and off on core 1, routing by
-  the bandit's choice (a fresh policy: its learning and exploration are part of the
-  bill).
+- specpilot: specpilot as ``serve`` runs it in routing mode (``controller.runtime``):
+  its gateway with two pools, n-gram on core 0 and off on core 1, routing by the
+  bandit's choice, its loop learning every half second (a fresh policy: its learning
+  and exploration are part of the bill).
 
 So each target has both cores, its pools on separate hardware (as routing mode's pools
 are, and as the policy's ``per_arm`` topology assumes), and the same gateway hop; what
@@ -31,11 +32,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,10 @@ from collectors.observations import RequestObservation
 from controller.gateway.app import Gateway
 from controller.gateway.routing import Fleet, Pool
 from controller.gateway.server import GatewayServer
-from controller.routed import routed_gateway
+from controller.runtime import assemble
 from controller.settings import Settings
-from controller.wiring import bandit_policy
-from policies.bandit import SpecPilotPolicy
 from testbed.environment import ModelSet, VllmEnvironment
-from testbed.server import KNEE_TOKENS, SERVED_MODEL, VllmServer, parse_spec
+from testbed.server import KNEE_TOKENS, NGRAM_TUNING, SERVED_MODEL, VllmServer, parse_spec
 from testbed.traffic import run_streams
 
 RESULT = Path("bench/results/loop.json")
@@ -81,7 +80,7 @@ def pool_settings(
 ) -> Settings:
     """Two pools of the tiny model: n-gram γ=4 and no speculation (also the e2e loop
     test's fleet); ``extra`` sets other top-level settings."""
-    tuning = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    tuning = dict(NGRAM_TUNING)
     return Settings.model_validate(
         {
             "data_dir": data_dir,
@@ -108,16 +107,14 @@ def pool_settings(
 
 
 class ArmTally:
-    """The arms specpilot's gateway served, per phase: the sink its observations pass."""
+    """The arms specpilot's gateway served, per phase (it hears every relayed request)."""
 
-    def __init__(self, sink: Callable[[RequestObservation], None]) -> None:
-        self.sink = sink
+    def __init__(self) -> None:
         self.phase = 0
         self.counts: list[Counter[str]] = [Counter() for _ in PHASES]
 
     def __call__(self, observation: RequestObservation) -> None:
         self.counts[self.phase][observation.arm or "unknown"] += 1
-        self.sink(observation)
 
 
 async def play(
@@ -151,29 +148,37 @@ async def play(
 
 
 async def play_with_specpilot(
-    settings: Settings, policy: SpecPilotPolicy, pools: dict[str, list[str]], tally: ArmTally
+    settings: Settings, pools: dict[str, list[str]], tally: ArmTally
 ) -> dict[str, tuple[float, list[dict[str, float]]]]:
-    """Serve a static gateway per config (over all its servers) and specpilot's gateway
-    (routing by ``policy`` over the servers ``settings`` name), and play. The policy
-    learns from every request as it completes, through ``tally`` (the service's loop
-    would hand the same observations over once per interval)."""
+    """Serve a static gateway per config (over all its servers) and specpilot as
+    ``serve`` runs it (``controller.runtime``: its gateway routing by the bandit over
+    the servers ``settings`` name, its loop learning every interval), and play."""
+    runtime = assemble(settings, observe=tally)
     gateways = {
         name: Gateway(Fleet([Pool(name, name, urls)], clock=time.monotonic))
         for name, urls in pools.items()
     }
-    gateways["specpilot"], _ = routed_gateway(settings, policy, tally)
     # The gateway's own front end, as `specpilot gateway` runs it.
     servers = {
         name: await GatewayServer.start(gateway, host="127.0.0.1", port=0)
         for name, gateway in gateways.items()
     }
+    await runtime.start(_loopback_socket(), _loopback_socket(), log_level="warning")
+    urls = {name: f"http://127.0.0.1:{server.port}" for name, server in servers.items()}
+    urls["specpilot"] = f"http://127.0.0.1:{runtime.gateway_port}"
     try:
-        return await play(
-            {name: f"http://127.0.0.1:{server.port}" for name, server in servers.items()}, tally
-        )
+        return await play(urls, tally)
     finally:
         for server in servers.values():
             await server.close(grace_s=5.0)  # also closes its upstream connections
+        await runtime.stop(grace_s=5.0)
+        runtime.close()
+
+
+def _loopback_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def run_benchmark() -> dict[str, Any]:
@@ -192,10 +197,15 @@ def run_benchmark() -> dict[str, Any]:
                 asyncio.run(run_streams(server.base_url, 2, 2, seed=10_000))
         data_dir = stack.enter_context(tempfile.TemporaryDirectory())
         # specpilot's fleet: n-gram on the first core, off on the second.
-        settings = pool_settings(pools["ngram"][:1], pools["off"][1:], Path(data_dir))
-        control = bandit_policy(settings, topology="per_arm")  # fresh: learning is billed
-        tally = ArmTally(control.observe)
-        played = asyncio.run(play_with_specpilot(settings, control.policy, pools, tally))
+        settings = pool_settings(
+            pools["ngram"][:1],
+            pools["off"][1:],
+            Path(data_dir),  # fresh: learning is billed
+            actuators={"mode": "routing"},
+            scrape_interval_s=0.5,
+        )
+        tally = ArmTally()
+        played = asyncio.run(play_with_specpilot(settings, pools, tally))
     static = {name: played[name][0] for name in ("ngram", "off")}
     best = max(static, key=lambda name: static[name])
     specpilot = played["specpilot"][0]

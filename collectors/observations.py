@@ -97,3 +97,76 @@ class RequestObservation:
             positions = None if positions is None else tuple(positions)
             spec = SpecDecodeRequestStats(**{**spec, "accepted_per_position": positions})
         return cls(**{**data, "spec": spec})
+
+
+@dataclass(frozen=True, slots=True)
+class WindowObservation:
+    """What one worker's ``/metrics`` window tells the policy about one served model:
+    the same figures a request reports, summed over every request the window covers.
+
+    Built by ``collectors.evidence.window_observation`` from a scraped or PromQL window;
+    the controller adds what it knows of the worker (pool, the arm its config runs, the
+    workload class the window is attributed to). Counts are increases over the window.
+    """
+
+    model: str
+    started_at: float
+    """Seconds on the injected clock: where the window's counters start."""
+    finished_at: float
+    duration_s: float
+    requests: float
+    """Requests that finished in the window (``vllm:e2e_request_latency_seconds_count``)."""
+    generation_tokens: float
+    """Output tokens generated (``vllm:generation_tokens_total``)."""
+    drafts: float
+    """Verify steps that carried drafts (``vllm:spec_decode_num_drafts_total``); 0: off."""
+    draft_tokens: float
+    accepted_per_position: tuple[float, ...]
+    """``vllm:spec_decode_num_accepted_tokens_per_pos_total`` increases, position 0 first."""
+    step_s: float | None
+    """Mean time per engine step of a running request: ``vllm:inter_token_latency_seconds``
+    sum over count (observed once per step and request, so it is a step time)."""
+    tpot_s: float | None
+    """Mean time per output token: ``vllm:request_time_per_output_token_seconds`` sum
+    over count."""
+    running: float | None
+    """Mean of ``vllm:num_requests_running`` over the window's scrapes."""
+    workload_class: str | None = None
+    pool: str | None = None
+    instance: str | None = None
+    arm: str | None = None
+    """The arm the worker's config runs, e.g. ``"ngram:4"`` or ``"off"``."""
+
+    @property
+    def accepted_tokens(self) -> float:
+        return float(sum(self.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; None when none were proposed."""
+        if self.draft_tokens <= 0:
+            return None
+        return min(1.0, self.accepted_tokens / self.draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verify step: 1 + accepted / drafts; None without drafts."""
+        if self.drafts <= 0:
+            return None
+        return 1.0 + self.accepted_tokens / self.drafts
+
+    @property
+    def steps(self) -> float:
+        """Engine steps that emitted the window's tokens: each emits 1 + its accepted
+        tokens, so ``generation - accepted`` (see ``policies.bandit.steps_taken``), never
+        fewer than the drafted steps."""
+        return max(self.drafts, self.generation_tokens - self.accepted_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (how a per-pod follower hands it over)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WindowObservation:
+        """The inverse of :meth:`to_json`."""
+        return cls(**{**data, "accepted_per_position": tuple(data["accepted_per_position"])})

@@ -152,6 +152,20 @@ class Scraper:
     def target_names(self) -> tuple[str, ...]:
         return tuple(self._states)
 
+    def set_targets(self, targets: Sequence[ScrapeTarget]) -> None:
+        """Scrape these from now on: targets kept keep their windows; a target whose URL
+        changed starts afresh (it is another process). For fleets whose instances come
+        and go (a managed pool's new instance); use with ``scrape``/``scrape_all``."""
+        wanted = {target.name: target for target in targets}
+        if len(wanted) != len(targets):
+            raise ValueError("duplicate scrape target names")
+        for name in [n for n in self._states if n not in wanted]:
+            del self._states[name]
+        for name, target in wanted.items():
+            state = self._states.get(name)
+            if state is None or state.target.url != target.url:
+                self._states[name] = _TargetState(target, self.settings.max_gauge_readings)
+
     async def run(self) -> None:
         """Scrape every target on its own schedule until the task is cancelled."""
         async with asyncio.TaskGroup() as group:

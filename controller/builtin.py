@@ -9,17 +9,39 @@ the service as a pure observer. ``NoObservations`` collects nothing.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from collectors.observations import RequestObservation
+from collectors.observations import RequestObservation, WindowObservation
 from controller.contexts import Context
-from controller.ports import ArmChoice, ArmEstimate, Collected, ControlPolicy, ObservationSource
+from controller.ports import (
+    ArmChoice,
+    ArmEstimate,
+    Collected,
+    ControlPolicy,
+    DriftEvent,
+    ObservationSource,
+    Route,
+    Routed,
+)
 from controller.settings import Settings
+from controller.sources import Placement
 
 
 class HoldPolicy:
     def observe(self, observation: RequestObservation) -> None:
+        pass
+
+    def observe_window(self, window: WindowObservation) -> None:
+        pass
+
+    def drift(self) -> Sequence[DriftEvent]:
+        return ()
+
+    def route(self, context: Context) -> Route:
+        return Route("off", "hold: no policy wired")
+
+    def routed(self, request: Routed) -> None:
         pass
 
     def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
@@ -64,13 +86,31 @@ def policy_from(settings: Settings) -> ControlPolicy:
     return policy
 
 
-def source_from(settings: Settings) -> ObservationSource:
-    """The collector the settings name; none by default. When ``serve`` runs the gateway
-    it is the source instead (``controller.wiring.QueuedObservations``)."""
-    if settings.wiring.collector is None:
+def source_from(
+    settings: Settings,
+    placements: Callable[[], Sequence[Placement]],
+    gateway: ObservationSource | None = None,
+) -> ObservationSource:
+    """The observation sources ``collect`` names (``controller.sources``), plus the
+    factory ``wiring.collector`` names if any. ``gateway``: the queue the served
+    gateway feeds, when ``collect`` lists it."""
+    from controller.sources import CombinedSource, PrometheusSource, ScrapeSource
+
+    sources: list[ObservationSource] = []
+    for name in settings.sources:
+        if name == "gateway":
+            if gateway is None:
+                raise ValueError("collect: gateway, but no gateway is served")
+            sources.append(gateway)
+        elif name == "scrape":
+            sources.append(ScrapeSource(settings, placements))
+        elif name == "prometheus":
+            sources.append(PrometheusSource(settings, placements))
+    if settings.wiring.collector is not None:
+        sources.append(load_factory(settings.wiring.collector)(settings))
+    if not sources:
         return NoObservations()
-    source: ObservationSource = load_factory(settings.wiring.collector)(settings)
-    return source
+    return sources[0] if len(sources) == 1 else CombinedSource(tuple(sources))
 
 
 def hold_policy(settings: Settings) -> HoldPolicy:

@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from policies.arms import ConcurrencyBuckets, Context
 from policies.bandit import WILDCARD
 
-__all__ = ["WILDCARD", "Context", "bucket_labels", "bucket_of", "bucket_range"]
+__all__ = [
+    "WILDCARD",
+    "Context",
+    "bucket_labels",
+    "bucket_of",
+    "bucket_order",
+    "bucket_range",
+    "context_order",
+]
 
 
 def bucket_labels(lower_edges: Sequence[int]) -> tuple[str, ...]:
@@ -33,3 +41,15 @@ def bucket_range(label: str, lower_edges: Sequence[int], cap: int) -> tuple[int,
     low = lower_edges[index]
     high = lower_edges[index + 1] - 1 if index + 1 < len(lower_edges) else max(cap, low)
     return low, high
+
+
+def bucket_order(label: str) -> tuple[int, str]:
+    """Sort key that orders bucket labels by concurrency (``1, 2-3, …, 16-31, 32+``),
+    not as strings (``1, 16-31, 2-3, 32+``). A label that is not a bucket's goes last."""
+    low = label.split("-", 1)[0].removesuffix("+")
+    return (int(low), label) if low.isdigit() else (1 << 62, label)
+
+
+def context_order(context: Context) -> tuple[str, str, tuple[int, str]]:
+    """Sort key for contexts: model, class, then bucket by concurrency."""
+    return (context.model, context.workload_class, bucket_order(context.bucket))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import socket
@@ -29,16 +28,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
-from controller.api import create_app
-from controller.contexts import Context
-from controller.gateway.server import GatewayServer
-from controller.routed import routed_gateway
-from controller.service import Service, build_service
-from controller.settings import Settings
+from controller.contexts import Context, context_order
+from controller.runtime import assemble
+from controller.settings import TOKEN_ENV, Settings, apply_token_env
 from controller.store.db import StoreUnavailable
-from controller.wiring import BanditControlPolicy, QueuedObservations, bandit_policy
+from controller.wiring import BanditControlPolicy
 from policies.arms import OFF, Arm
 from policies.bandit import SpecPilotPolicy
 from simulator.load import LoadOptions, run_load
@@ -73,7 +67,11 @@ def pool_arm(pool: PoolSpec) -> Arm:
 
 
 def demo_settings(
-    scenario: Scenario, pools: tuple[PoolSpec, ...], urls: Mapping[str, list[str]], args: Any
+    scenario: Scenario,
+    pools: tuple[PoolSpec, ...],
+    urls: Mapping[str, list[str]],
+    args: Any,
+    environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """The settings ``serve`` would read from a file, for the simulated fleet."""
     fleet: dict[str, Any] = {}
@@ -91,16 +89,19 @@ def demo_settings(
                 "num_speculative_tokens": arm.gamma,
             }
         fleet[pool.name] = entry
-    return Settings.model_validate(
-        {
-            "data_dir": args.data_dir,
-            "api": {"port": args.port},
-            "classes": list(scenario.classes),
-            "scrape_interval_s": 1.0,
-            "policy": {"min_dwell_s": 10.0, "measure_after_s": 20.0},
-            "fleet": {"pools": fleet},
-        }
-    )
+    data: dict[str, Any] = {
+        "data_dir": args.data_dir,
+        "api": {"port": args.port},
+        "classes": list(scenario.classes),
+        "scrape_interval_s": 1.0,
+        "policy": {"min_dwell_s": 10.0, "measure_after_s": 20.0},
+        "actuators": {"mode": "routing"},
+        "fleet": {"pools": fleet},
+    }
+    # Built from data, not read from a file: the token must be applied as load_settings
+    # does, or writes are refused with the variable set.
+    apply_token_env(data, os.environ if environ is None else environ)
+    return Settings.model_validate(data)
 
 
 def _free_socket() -> socket.socket:
@@ -126,7 +127,7 @@ def render(
         f"  explore {policy.explore_fraction:.2f}",
         f"{'class':10s} {'bucket':7s} {'arm':10s} {'reason':11s} {'pred. speed-up':>15s}",
     ]
-    for context in sorted(contexts, key=lambda c: (c.workload_class, c.bucket)):
+    for context in sorted(contexts, key=context_order):
         decision = policy.decide(context)
         speedup = decision.predicted_speedup
         shown = f"{speedup:.2f}" if speedup is not None else "-"
@@ -137,16 +138,6 @@ def render(
     return "\n".join(lines)
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-            raise RuntimeError("a demo HTTP server failed to start")
-        await asyncio.sleep(0.01)
-    return task
-
-
 async def run_demo(args: Any) -> int:
     scenario = load_scenario(args.scenario)
     pools = default_pools(scenario)
@@ -154,27 +145,19 @@ async def run_demo(args: Any) -> int:
     await sim.start()
     urls = {pool.name: sim.urls(pool.name) for pool in pools}
     settings = demo_settings(scenario, pools, urls, args)
-    control: BanditControlPolicy = bandit_policy(settings, topology="per_arm")
-    observations = QueuedObservations()
     try:
-        service: Service = build_service(settings, control, observations, actuators=[])
+        runtime = assemble(settings)
     except StoreUnavailable as exc:
         await sim.stop()
         print(f"error: {exc}", file=sys.stderr)
         return 1
-
-    gateway, routing = routed_gateway(settings, control.policy, observations.put)
-    api_server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, service), log_level="warning", lifespan="on")
-    )
+    control, front = runtime.service.policy, runtime.gateway
+    assert isinstance(control, BanditControlPolicy) and front is not None
     api_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     api_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     api_sock.bind((settings.api.host, settings.api.port))
-    gateway_sock = _free_socket()
-    tasks = [await _serve(api_server, api_sock)]
-    # The gateway's own front end, as `specpilot gateway` runs it.
-    gateway_server = await GatewayServer.start(gateway, sock=gateway_sock)
-    gateway_url = f"http://127.0.0.1:{gateway_sock.getsockname()[1]}"
+    await runtime.start(api_sock, _free_socket(), log_level="warning")
+    gateway_url = f"http://127.0.0.1:{runtime.gateway_port}"
 
     print(f"specpilot demo: data in {settings.data_dir.resolve()}")
     print(
@@ -183,8 +166,8 @@ async def run_demo(args: Any) -> int:
     print(f"  gateway    {gateway_url}/v1/completions  (OpenAI-compatible)")
     for pool in pools:
         print(f"  pool {pool.name:7s} {pool_arm(pool)!s:9s} {', '.join(urls[pool.name])}")
-    if not os.environ.get("SPECPILOT_API_TOKEN"):
-        print("  (set SPECPILOT_API_TOKEN to allow writes such as POST /v1/overrides)")
+    if settings.api.token is None:
+        print(f"  (set {TOKEN_ENV} to allow writes such as POST /v1/overrides)")
     print()
 
     wall_s = args.seconds if args.seconds is not None else scenario.duration_s / args.speed
@@ -202,7 +185,7 @@ async def run_demo(args: Any) -> int:
         while not load.done():
             await asyncio.wait({load}, timeout=2.0 if interactive else 10.0)
             table = render(
-                control.policy, routing.seen, scenario, time.monotonic() - started, args.speed
+                control.policy, front.seen, scenario, time.monotonic() - started, args.speed
             )
             print(("\x1b[H\x1b[J" if interactive else "") + table + "\n", flush=True)
         report = load.result()
@@ -211,13 +194,8 @@ async def run_demo(args: Any) -> int:
             f"decisions in {settings.data_dir / 'specpilot.db'}"
         )
     finally:
-        api_server.should_exit = True
-        # Also closes the gateway's upstream connections.
-        await gateway_server.close(grace_s=5.0)
-        for task in tasks:
-            with contextlib.suppress(Exception):
-                await task
-        service.close()
+        await runtime.stop(grace_s=5.0)
+        runtime.close()
         await sim.stop()
     return 0
 

@@ -8,6 +8,14 @@ size tracks concurrency, so per-bucket choices of one proposer become vLLM's
 want different proposers, the proposer chosen in the most buckets wins (ties: the one
 chosen at the lowest concurrency, where speculation pays most) and the other buckets
 run with γ = 0 there; routing each class to its own pool is the gateway's job.
+
+Routing mode (``actuators.mode: routing``) is the other way round: every pool keeps the
+one config it runs and the gateway sends each request to the pool running the arm the
+policy picked for it (the routing table the loop publishes, ``ControlLoop.routes_to``).
+A context may then run any arm some pool runs (each request goes to that one pool), it
+starts on ``off`` (where the gateway
+sends a context the policy has not committed yet, and where an arm no pool runs ends
+up), and an override may pin any arm some pool runs.
 """
 
 from __future__ import annotations
@@ -38,10 +46,25 @@ class PoolConfig:
     arms_by_bucket: tuple[tuple[str, str], ...]
 
 
+def pool_arms(settings: Settings) -> dict[str, str]:
+    """Each pool's running arm, from the config the settings say it runs."""
+    return {
+        name: resolve_on_pool(pool.speculative_config, name, pool.proposer_list(), pinnable=False)
+        for name, pool in settings.fleet.pools.items()
+    }
+
+
 class Fleet:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pools: Mapping[str, PoolSettings] = settings.fleet.pools
+        self.routing = settings.actuators.mode == "routing"
+        """Routing mode: each pool runs one arm and the gateway routes by arm."""
+        self.routable: tuple[str, ...] = ()
+        """Routing mode: the arms the gateway can send a request to (off first)."""
+        if self.routing:
+            running = set(pool_arms(settings).values()) - {OFF}
+            self.routable = (OFF, *sorted(running, key=_arm_order))
         self.contexts: tuple[Context, ...] = tuple(
             Context(model, cls, bucket)
             for model in settings.models
@@ -64,7 +87,10 @@ class Fleet:
         )
 
     def allowed_arms(self, context: Context) -> tuple[str, ...]:
-        """Arms every pool serving the context can run (off always)."""
+        """Arms every pool serving the context can run (off always); in routing mode,
+        every arm some pool runs (the gateway sends each request to that pool)."""
+        if self.routing:
+            return self.routable
         per_pool = [
             {
                 f"{p.name}:{g}"
@@ -76,8 +102,16 @@ class Fleet:
         common = set.intersection(*per_pool) if per_pool else set()
         return (OFF, *sorted(common, key=_arm_order))
 
+    def routed_arm(self, arm: str) -> str:
+        """Routing mode: the arm a request the policy gave ``arm`` is served with (an arm
+        no pool runs goes to the off pool, as the gateway's routing table sends it)."""
+        return arm if arm in self.routable else OFF
+
     def running_arm(self, context: Context) -> str:
-        """The arm the context's first pool runs according to the settings."""
+        """The arm the context's first pool runs according to the settings; in routing
+        mode off, where the gateway sends a context the policy has not committed yet."""
+        if self.routing:
+            return OFF
         names = self.pools_for(context.model, context.workload_class)
         if not names:
             return OFF
@@ -94,6 +128,8 @@ class Fleet:
         """
         if not contexts:
             raise SpecConfigError("the scope matches no context the fleet serves")
+        if self.routing:
+            return self._resolve_routed(config)
         arms = set()
         for model, cls in sorted({(c.model, c.workload_class) for c in contexts}):
             for name in self.pools_for(model, cls):
@@ -106,9 +142,38 @@ class Fleet:
             )
         return arms.pop()
 
+    def _resolve_routed(self, config: Mapping[str, Any]) -> str:
+        """Routing mode: the arm of the one pool that runs ``config`` (each pool runs
+        one config, so the arm must be one a pool runs, not just one it could run)."""
+        check_vllm_schema(config)
+        if config["method"] == OFF:
+            return OFF
+        reasons = []
+        for name, pool in sorted(self.pools.items()):
+            try:
+                arm = resolve_on_pool(config, name, pool.proposer_list(), pinnable=True)
+            except SpecConfigError as exc:
+                reasons.append(str(exc))
+                continue
+            if arm in self.routable:
+                return arm
+            reasons.append(f"pool {name!r} could run {arm} but runs another config")
+        raise SpecConfigError(
+            f"no pool runs this config (pools run: {', '.join(self.routable)}; "
+            + "; ".join(reasons)
+            + ")"
+        )
+
     def pool_config(self, name: str, arms: Mapping[Context, str]) -> PoolConfig:
-        """The config pool ``name`` should run given every context's effective arm."""
+        """The config pool ``name`` should run given every context's effective arm (in
+        routing mode the one it runs, whatever the contexts run: they move by routing)."""
         pool = self.pools[name]
+        if self.routing:
+            arm = resolve_on_pool(
+                pool.speculative_config, name, pool.proposer_list(), pinnable=False
+            )
+            config = None if arm == OFF else dict(pool.speculative_config)
+            return PoolConfig(name, config, tuple((b, arm) for b in self.settings.bucket_labels))
         cls = self.primary_class(pool)
         by_bucket = [
             (bucket, arms.get(Context(pool.model, cls, bucket), OFF))

@@ -1,126 +1,165 @@
 """The gateway as ``specpilot serve`` runs it beside the API (``settings.gateway``).
 
-- Routing mode (``actuators.mode: routing``): ``controller.routed`` — the policy picks
-  a pool per request, and that is how its decisions take effect.
-- Push mode with ``gateway.enabled``: :class:`ClassRouting` sends each request to the
-  pool serving its class (the loop pushes that pool's config), and a managed pool's
-  traffic follows the instance the managed actuator started (:func:`switch_traffic`).
+- Routing mode (``actuators.mode: routing``): each request goes to the pool running the
+  arm the routing table gives its context (``controller.gateway.table``), which the
+  control loop publishes every iteration from the policy (``ControlLoop.routes_to``):
+  that is how its decisions take effect.
+- Push mode with ``gateway.enabled``: each request goes to the pool serving its class
+  (the loop pushes that pool's config), preferring the pool whose config that class sets;
+  a managed pool's traffic follows the instance the managed actuator started
+  (:func:`switch_traffic`).
 
-Either way every request becomes an observation for the loop (the ``sink``), and the
-classifier is the one ``gateway.classifier`` names (:func:`classifier_from`).
+Either way the gateway runs in worker processes of its own (:class:`FrontDoor`,
+``controller.gateway.workers``), and every request they relay becomes an observation
+for the loop.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from typing import Any
+import logging
+from collections.abc import Callable, Mapping
 
+from collectors.observations import RequestObservation
 from controller.actuators.configured import ConfigSwitch
 from controller.actuators.managed import SpecConfig
-from controller.fleet import Fleet
-from controller.gateway import Classifier, ConstantClassifier, Gateway, ObservationSink
-from controller.gateway.routing import Fleet as GatewayFleet
-from controller.gateway.routing import Pool
-from controller.ports import ControlPolicy
-from controller.routed import pool_arms, routed_gateway
-from controller.settings import BUILTIN_CLASSIFIER, Settings, default_class
+from controller.contexts import Context
+from controller.fleet import Fleet, pool_arms
+from controller.gateway import Gateway, ObservationSink, RequestKeys
+from controller.gateway.routing import RouteKey
+from controller.gateway.table import SNAPSHOT_FILE, Route, SnapshotFile
+from controller.gateway.workers import (
+    GatewayWorkers,
+    RoutedEvent,
+    TablePublisher,
+    WorkerSpec,
+    build_gateway,
+    default_workers,
+    request_keys,
+)
+from controller.ports import Routed
+from controller.settings import Settings, default_class
 from controller.specconfig import OFF, SpecConfigError, resolve_on_pool
-from controller.wiring import BanditControlPolicy
-from policies.arms import ConcurrencyBuckets
+from controller.wiring import QueuedObservations
+
+log = logging.getLogger(__name__)
+
+GATEWAY_GRACE_S = 30.0
+"""On shutdown, streams in progress through the gateway get this long to finish."""
 
 
-class ModelClassifier:
-    """The scikit-learn classifier (``policies.classifier``) as the gateway's
-    ``Classifier``: a class the request names (``metadata.workload_class``, ...) or the
-    predicted one, replaced by ``fallback`` when the settings do not list it."""
-
-    def __init__(self, model: Any, classes: tuple[str, ...], fallback: str) -> None:
-        self.model, self.classes, self.fallback = model, frozenset(classes), fallback
-
-    def __call__(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
-        from policies.classifier import explicit_class, prompt_text, request_temperature
-
-        explicit = explicit_class(headers, body)
-        if explicit is not None:
-            name = explicit[0]
-        else:
-            name = self.model.predict(prompt_text(body), request_temperature(body)).workload_class
-        return name if name in self.classes else self.fallback
-
-
-def classifier_from(settings: Settings) -> Classifier:
-    """What ``gateway.classifier`` names; the model is trained here (about a second),
-    before the gateway takes traffic."""
-    fallback = default_class(settings)
-    path = settings.gateway.classifier
-    if path is None:
-        return ConstantClassifier(fallback)
-    from policies.classifier import default_classifier, loads_recipe, train_classifier
-
-    if path == BUILTIN_CLASSIFIER:
-        model = default_classifier()
-    else:
-        with open(path, encoding="utf-8") as file:
-            model = train_classifier(loads_recipe(file.read(), path))
-    return ModelClassifier(model, tuple(settings.classes), fallback)
-
-
-class ClassRouting:
-    """Push mode: a request goes to a pool of its model serving its class, preferring
-    one whose config that class sets (its primary class); else the default pool."""
-
-    def __init__(self, settings: Settings, default_pool: str) -> None:
-        self.fleet = Fleet(settings)
-        self.default_model = settings.models[0]
-        self.default_pool = default_pool
-        self._routes: dict[tuple[str, str], str] = {}
-
-    def pool_for(self, model: str | None, workload_class: str, bucket: str) -> str:
-        key = (model or self.default_model, workload_class)
-        pool = self._routes.get(key)
-        if pool is None:
-            names = self.fleet.pools_for(*key)
-            primary = [n for n in names if self.fleet.primary_class(self.fleet.pools[n]) == key[1]]
-            pool = (primary or list(names) or [self.default_pool])[0]
-            self._routes[key] = pool
-        return pool
-
-
-def gateway_from(settings: Settings, policy: ControlPolicy, sink: ObservationSink) -> Gateway:
-    """The gateway ``serve`` runs: routing by the policy in routing mode, by class in
-    push mode. Routing mode needs the bandit built with ``topology="per_arm"``."""
-    classifier = classifier_from(settings)
-    if settings.actuators.mode == "routing":
-        if not isinstance(policy, BanditControlPolicy):
-            raise TypeError("routing mode needs specpilot's bandit (controller.wiring)")
-        gateway, _ = routed_gateway(settings, policy.policy, sink, classifier=classifier)
-        return gateway
+def worker_spec(settings: Settings) -> WorkerSpec:
+    """What each gateway worker builds its gateway from."""
     arms = pool_arms(settings)
-    pools = [
-        Pool(name, arms[name], pool.instances) if pool.instances else Pool.empty(name, arms[name])
-        for name, pool in sorted(settings.fleet.pools.items())
-    ]
-    default = next((p.name for p in pools if p.instances), pools[0].name)
-    return Gateway(
-        GatewayFleet(pools, default_pool=default, clock=time.monotonic),
-        routing=ClassRouting(settings, default),
-        classifier=classifier,
-        sink=sink,
-        buckets=ConcurrencyBuckets(tuple(settings.buckets)),
+    routing = settings.actuators.mode == "routing"
+    names = list(settings.fleet.pools) if routing else sorted(settings.fleet.pools)
+    pools = tuple((name, arms[name], tuple(settings.fleet.pools[name].instances)) for name in names)
+    default = None if routing else next((n for n, _, urls in pools if urls), pools[0][0])
+    gateway = settings.gateway
+    return WorkerSpec(
+        pools,
+        pool_models=tuple((name, settings.fleet.pools[name].model) for name in names),
+        routing="table" if routing else "classes",
+        default_pool=default,
+        class_routes=() if routing else _class_routes(settings, default or names[0]),
+        classes=tuple(settings.classes),
+        default_class=default_class(settings),
+        models=tuple(settings.models),
+        classifier=gateway.classifier,
+        buckets=tuple(settings.buckets),
+        limits=gateway.limits.limits(),
+        timeouts=gateway.upstream_timeouts.timeouts(),
+        table_path=str(settings.data_dir / SNAPSHOT_FILE),
+        grace_s=GATEWAY_GRACE_S,
     )
 
 
-def switch_traffic(settings: Settings, gateway: Gateway) -> ConfigSwitch:
-    """The managed actuator's traffic switch: the gateway's pool gets the new instances
-    and the arm their config runs (what its observations are tagged with)."""
+def _class_routes(settings: Settings, default_pool: str) -> tuple[tuple[str, str, str], ...]:
+    """Push mode: per model and class, a pool of the model serving the class, one whose
+    config that class sets first (its primary class); else the default pool."""
+    fleet = Fleet(settings)
+    routes = []
+    for model in settings.models:
+        for cls in settings.classes:
+            names = fleet.pools_for(model, cls)
+            primary = [n for n in names if fleet.primary_class(fleet.pools[n]) == cls]
+            pool = (primary or list(names) or [default_pool])[0]
+            routes.append((model, cls, pool))
+    return tuple(routes)
 
-    def switch(pool: str, urls: tuple[str, ...], config: SpecConfig) -> None:
+
+def classifier_from(settings: Settings) -> RequestKeys:
+    """What ``gateway.classifier`` names, inside the request keys that hold every class
+    to ``classes`` and every model to the pools' (:class:`RequestKeys`)."""
+    return request_keys(worker_spec(settings))
+
+
+def gateway_from(settings: Settings, sink: ObservationSink | None = None) -> Gateway:
+    """The gateway one worker runs, built in this process (for tests and tools)."""
+    return build_gateway(worker_spec(settings), sink)
+
+
+class FrontDoor:
+    """The gateway ``serve`` runs: its workers, the routing table they route by and the
+    queue their observations reach the loop through.
+
+    ``observe`` also hears every observation (a benchmark's tally) as it arrives, in
+    the event loop; ``seen`` holds every context a request was routed in."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        observe: Callable[[RequestObservation], None] | None = None,
+    ) -> None:
+        self.spec = worker_spec(settings)
+        self.queue = QueuedObservations()
+        self.observe = observe
+        self.seen: set[Context] = set()
+        self.publisher = TablePublisher(
+            SnapshotFile(settings.data_dir / SNAPSHOT_FILE),
+            self.spec.pools,
+            table=self.spec.routing == "table",
+        )
+        count = settings.gateway.workers or default_workers()
+        self.workers = GatewayWorkers(
+            self.spec, count, self._deliver, dropped=lambda: self.queue.dropped
+        )
+        self._default_model = settings.models[0]
+
+    @property
+    def port(self) -> int | None:
+        return self.workers.port
+
+    def _deliver(self, event: RequestObservation | RoutedEvent) -> None:
+        if isinstance(event, RequestObservation):
+            if self.observe is not None:
+                self.observe(event)
+            self.queue.put(event)
+            return
+        model, cls, bucket, arm, reason, at = event
+        context = Context(model or self._default_model, cls, bucket)
+        self.seen.add(context)
+        self.queue.put_routed(Routed(context, arm, reason, at))
+
+    def publish(self, table: Mapping[Context, Route]) -> None:
+        """Route by ``table`` from now on (``ControlLoop.routes_to``)."""
+        self.publisher.publish(
+            {RouteKey(c.model, c.workload_class, c.bucket): route for c, route in table.items()}
+        )
+
+
+def switch_traffic(settings: Settings, front: FrontDoor) -> ConfigSwitch:
+    """The managed actuator's traffic switch: the gateway's pool gets the new instances
+    and the arm their config runs (what its observations are tagged with). It returns
+    once every worker routes by them (the old instance is drained and stopped next)."""
+
+    async def switch(pool: str, urls: tuple[str, ...], config: SpecConfig) -> None:
         proposers = settings.fleet.pools[pool].proposer_list()
         try:
             arm = resolve_on_pool(config or {"method": OFF}, pool, proposers, pinnable=False)
         except SpecConfigError:
             arm = OFF if config is None else str(config.get("method"))
-        gateway.fleet.set_instances(pool, urls, arm)
+        version = front.publisher.set_pool(pool, urls, arm)
+        if front.workers.started and not await front.workers.routing_by(version):
+            log.warning("pool %s: a gateway worker did not take its new instances in time", pool)
 
     return switch

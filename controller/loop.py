@@ -7,7 +7,10 @@ One iteration (``tick``) on the leader:
 2. unless frozen, let the policy learn from the new observations;
 3. for every context, take the operator's pin if an override covers it, else the
    policy's choice, subject to the guard rails (the arm must be runnable on every pool
-   serving the context; a context changes arm at most once per ``min_dwell_s``);
+   serving the context; a context changes arm at most once per ``min_dwell_s``). In
+   routing mode the gateway asks the policy per request, so there is nothing to hold
+   back: the context runs what the policy committed (or the pin) as soon as it does,
+   and the loop records that arm (``_routed_target``);
 4. record every change as a decision — synchronously, before anything is pushed, so a
    crash can never have acted on a decision the audit log does not have;
 5. hand the pools whose effective config changed to the actuators;
@@ -27,18 +30,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
-from collectors.observations import RequestObservation
-from controller.actuators.base import Actuator
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+
+from collectors.observations import RequestObservation, WindowObservation
+from controller.actuators.base import Actuator, wrapped
+from controller.actuators.rolling import RollingRestarts
+from controller.alerting import DRIFT, LOSING, Alerts, losing_context
 from controller.contexts import Context, bucket_of
-from controller.fleet import Fleet
-from controller.ports import ControlPolicy, ObservationSource
+from controller.exactness import EXACTNESS_BROKEN, ExactnessChecker, exactness_failures
+from controller.fleet import Fleet, PoolConfig
+from controller.notify import notifier_from
+from controller.ports import ArmChoice, ControlPolicy, ObservationSource, Route, Routed
 from controller.settings import Settings
 from controller.specconfig import SpecConfigError
 from controller.store.buffer import BufferedWriter
@@ -59,11 +70,24 @@ T = TypeVar("T")
 Clock = Callable[[], float]
 
 FROZEN_KEY = "frozen"
+SNAPSHOT_WRITE = "policy-snapshot"
+"""Buffered snapshot writes share this key: during an outage only the newest is kept."""
 UNKNOWN = "unknown"
+WINDOW_KEY = "window"
+"""A handed-over window (per-pod topology) is ``{"window": WindowObservation.to_json()}``;
+a handed-over request is the bare ``RequestObservation.to_json()``."""
 HOUSEKEEPING_EVERY_S = 60.0
 MAX_ROLLUP_BATCHES = 20
 MIN_MEASURED_REQUESTS = 3
 """Requests under a new arm before its speed-up is taken as measured."""
+ACTUATOR_FAILED = "ActuatorFailed"
+OVERRIDE_NOT_RUNNABLE = "OverrideNotRunnable"
+STORE_LOST = "StoreLost"
+ALERT_NAMES = (DRIFT, LOSING, ACTUATOR_FAILED, EXACTNESS_BROKEN, OVERRIDE_NOT_RUNNABLE, STORE_LOST)
+"""Every alert the loop raises."""
+NOT_RUNNABLE = "not_runnable"
+MIN_DWELL = "min_dwell"
+PUSH_OK, PUSH_ERROR = "ok", "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +112,19 @@ class _Mean:
     @property
     def value(self) -> float | None:
         return self.total / self.count if self.count else None
+
+
+@dataclass(slots=True)
+class RouteShare:
+    """Routing mode: requests of a context finished since its arm last changed, and how
+    many of them the gateway served with another arm (exploration, probes, trials)."""
+
+    requests: int = 0
+    elsewhere: int = 0
+
+    @property
+    def explored(self) -> float | None:
+        return self.elsewhere / self.requests if self.requests else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +179,23 @@ class ControlLoop:
         self.store, self.writer, self.leadership = store, writer, leadership
         self.actuators, self.metrics, self.clock = actuators, metrics, clock
         self.journal = journal
+        self.notifier = notifier_from(settings, metrics)  # alerts to Alertmanager / webhook
+        _start_counters(metrics, actuators)
         self._known = frozenset(fleet.contexts)
         # What the API reads (this replica's view).
         self.arms: dict[Context, str] = {}
         self.actors: dict[Context, Actor] = {}
         self.changed_at: dict[Context, float] = {}
         self.frozen = False
+        self._frozen_sets = 0
+        """How often the API set ``frozen``: a store read begun before the last set is
+        older than it and must not undo it."""
         self.is_leader = False
         self.overrides: list[OverrideRecord] = []
+        self.routes: dict[Context, RouteShare] = {}
+        """Routing mode: where the requests of each context went since its last change."""
+        self._published: dict[Context, str] = {}
+        """The arm ``specpilot_context_arm`` shows per context."""
         self.last_tick_at: float | None = None
         self.store_reachable = True
         # Bookkeeping of the leader.
@@ -160,11 +206,28 @@ class ControlLoop:
         self._loaded_snapshot_ts = -math.inf
         self._housekeeping_at = -math.inf
         self._push_all = True
+        self._to_push: set[str] = set()
+        self._pushing: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.alerts = Alerts(metrics)
+        self._running_speedup: dict[Context, tuple[str, float | None]] = {}
         self._acting_as_leader = False
         """Whether the previous iteration ran as leader (a change means: take over)."""
+        self._store_lost = False
+        self.tracer: Tracer | None = None
+        self._exactness_firing: set[str] = set()
+        """Spans per iteration and per push (``controller.tracing``); None: none."""
+        self.routes_to: Callable[[Mapping[Context, Route]], None] | None = None
+        """Routing mode: where each iteration's routing table goes (the gateway's
+        workers, which route by the last one they got whatever the loop does next)."""
 
     # -- store access that survives outages ---------------------------------------------
+
+    def set_frozen(self, frozen: bool) -> None:
+        """What the API calls once the store holds ``frozen``."""
+        self.frozen = frozen
+        self._frozen_sets += 1
+        self.metrics.frozen.set(1 if frozen else 0)
 
     async def _read(self, read: Callable[[], T], fallback: T) -> T:
         """Run a store read in a thread; on an outage return ``fallback``."""
@@ -184,6 +247,7 @@ class ControlLoop:
         *args: Any,
         records: int = 1,
         droppable: bool = False,
+        key: str | None = None,
     ) -> None:
         """``method(store, *args)`` now, or buffered if the store is away."""
         reached = await asyncio.to_thread(
@@ -191,6 +255,7 @@ class ControlLoop:
             lambda store: method(store, *args),
             records=records,
             droppable=droppable,
+            key=key,
         )
         self._note_store(reached)
 
@@ -201,6 +266,8 @@ class ControlLoop:
             await self._write(Store.record_decision, record)
         else:
             await self._write(Store.record_alert, record)
+            self.metrics.alerts.labels(alert=record.name).inc()
+            self.notifier.notify(record)  # returns at once; delivered in the background
         if not self.store_reachable:
             await asyncio.to_thread(self.journal.append, record)
 
@@ -247,7 +314,12 @@ class ControlLoop:
     async def start(self) -> None:
         """Restore from the store (the store was reachable at open)."""
         await asyncio.to_thread(self._load)
+        unresolved = await asyncio.to_thread(
+            lambda: self.store.alerts(limit=1000, unresolved_only=True)
+        )
+        self.alerts.restore(unresolved)
         self.metrics.frozen.set(1 if self.frozen else 0)
+        self._publish_routes()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Iterate every scrape interval until ``stop`` is set, then shut down cleanly."""
@@ -301,7 +373,12 @@ class ControlLoop:
         managed one stops the vLLM processes it started); SIGTERM ends here."""
         if self.is_leader:
             state, now = self.policy.state_dict(), self.clock()
-            await self._write(Store.save_snapshot, now, state)
+            await self._write(Store.save_snapshot, now, state, key=SNAPSHOT_WRITE)
+        if self._pushing is not None and not self._pushing.done():
+            # A restart in progress: the actuators' close stops what it started.
+            self._pushing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pushing
         await self._flush()
         await self.source.aclose()
         for actuator in self.actuators:
@@ -311,18 +388,32 @@ class ControlLoop:
                     await close()
                 except Exception:
                     log.exception("closing actuator %s failed", actuator.name)
+        await self.notifier.aclose()
         await asyncio.to_thread(self.leadership.release)
         self.is_leader = False
 
     # -- one iteration -------------------------------------------------------------------
 
     async def tick(self) -> None:
+        tracer = self.tracer
+        if tracer is None:
+            await self._tick(None)
+            return
+        with tracer.start_as_current_span("specpilot.loop.tick") as span:
+            await self._tick(span)
+
+    async def _tick(self, span: Span | None) -> None:
         now = self.clock()
+        await self._check_store_lost(now)
         was_leader = self._acting_as_leader
         self._acting_as_leader = await self._check_leadership()
+        if span is not None:
+            span.set_attribute("specpilot.leader", self.is_leader)
         if not self.is_leader:
             await self._read(self._load, None)
             await self._hand_over(now)
+            await self._actuate_here()
+            self._publish_routes()
             self.last_tick_at = now
             return
         if not was_leader:
@@ -331,15 +422,30 @@ class ControlLoop:
         await self._flush()
 
         collected = await self.source.collect()
-        observations = [*collected.observations, *await self._handed_over()]
+        self._count_routed(collected.routed)
+        handed, handed_windows = await self._handed_over()
+        observations = [*collected.observations, *handed]
+        windows = [*collected.window_observations, *handed_windows]
         await self._store_collected(observations, collected.windows, now)
-        self.frozen = await self._read(
-            lambda: bool(self.store.get_state(FROZEN_KEY, False)), self.frozen
-        )
+        self.metrics.observations.inc(sum(round(w.requests) for w in windows))
+        # Another replica's API may have frozen the policy; this one's API sets it directly.
+        sets = self._frozen_sets
+        stored = await self._read(lambda: bool(self.store.get_state(FROZEN_KEY, False)), None)
+        if stored is not None and sets == self._frozen_sets:
+            self.frozen = stored
         self.metrics.frozen.set(1 if self.frozen else 0)
         if not self.frozen:
             for observation in observations:
                 self.policy.observe(observation)
+            for window in windows:
+                self.policy.observe_window(window)
+        if self.fleet.routing:
+            self._tally_routes(observations)
+        for observation in observations:
+            self.alerts.note_request(observation)
+        for window in windows:
+            self.alerts.note_window(window)
+        await self._raise_drift()
 
         self.overrides = await self._read(lambda: self.store.active_overrides(now), self.overrides)
         self.overrides = [o for o in self.overrides if o.active(now)]
@@ -355,24 +461,118 @@ class ControlLoop:
         for decision in decisions:
             await self._record(decision)
             self._apply(decision)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "specpilot.observations": len(observations),
+                    "specpilot.windows": len(windows),
+                    "specpilot.frozen": self.frozen,
+                    "specpilot.overrides": len(self.overrides),
+                    "specpilot.decisions": len(decisions),
+                }
+            )
+        self._publish_routes()
         await self._actuate([d.context for d in decisions])
+        await self._judge_losing(now)
+        self._publish_contexts()
+        if self._pushing is None or self._pushing.done():  # never beside a restart
+            await self.check_exactness(now)
 
         await self._measure(now)
         await self._snapshot(now)
         await self._housekeeping(now)
         self.last_tick_at = now
 
+    async def _raise_drift(self) -> None:
+        """Every drift the policy detected becomes an ``AcceptanceDrift`` alert; one whose
+        acceptance recovered is resolved."""
+        for event in self.policy.drift():
+            alert = self.alerts.drifted(event)
+            if alert is not None:
+                log.warning("%s: %s", alert.name, alert.message)
+                await self._record(alert)
+        for context in self.alerts.recovered():
+            log.info("AcceptanceDrift resolved: %s", context)
+            await self._resolve(DRIFT, "warning", context)
+
+    async def _judge_losing(self, now: float) -> None:
+        """``SpeculationLosing`` for contexts whose running arm the policy predicts to
+        lose against no speculation (see ``controller.alerting``)."""
+        for context in self.fleet.contexts:
+            arm = self.arms.get(context)
+            if arm is None:
+                continue
+            seen_arm, speedup = self._running_speedup.get(context, (arm, None))
+            alert, resolved = self.alerts.judge(
+                context, arm, speedup if seen_arm == arm else None, now
+            )
+            if alert is not None:
+                log.warning("%s: %s", alert.name, alert.message)
+                await self._record(alert)
+            if resolved:
+                await self._resolve(LOSING, "critical", losing_context(context))
+
+    async def _resolve(self, name: str, severity: str, context: str) -> None:
+        """An alert that stopped firing: resolved in the store, and to whoever hears."""
+        now = self.clock()
+        await self._write(Store.resolve_alerts, name, context, now)
+        self.notifier.notify(
+            AlertRecord(now, name, severity, "resolved", context=context, resolved_at=now)
+        )
+
+    async def _check_store_lost(self, now: float) -> None:
+        """A SQLite file deleted or replaced under the store: say so once, loudly (the
+        store refuses every call from then on, so this alert waits in the journal for
+        the next start)."""
+        lost = await asyncio.to_thread(self.store.check_lost)
+        if lost is None or self._store_lost:
+            return
+        self._store_lost = True
+        log.error("store lost: %s; everything it held is gone from where a restart looks", lost)
+        await self._record(AlertRecord(now, STORE_LOST, "critical", lost))
+
     async def _hand_over(self, now: float) -> None:
-        """A follower whose source only it sees (its own gateway's requests) hands what
-        it collected to the leader through the store; without this, every request a
-        follower's gateway served would be lost to the policy. A source every replica
-        sees alike (scraping the fleet) is left to the leader, which reads it itself."""
+        """A follower whose source only it sees (its own gateway's requests, its own
+        pod's vLLM) hands what it collected to the leader through the store; without
+        this, every request a follower's gateway served and every window of its pod
+        would be lost to the policy. It stores its windows' stats itself. A source every
+        replica sees alike (scraping the fleet) is left to the leader, which reads it."""
         if not self._source_is_exclusive:
             return
-        collected = await self.source.collect()
-        if collected.observations:
-            handed = [o.to_json() for o in collected.observations]
+        collect = getattr(self.source, "collect_exclusive", self.source.collect)
+        collected = await collect()
+        self._count_routed(collected.routed)
+        handed = [o.to_json() for o in collected.observations]
+        handed += [{WINDOW_KEY: w.to_json()} for w in collected.window_observations]
+        if handed:
             await self._write(Store.hand_over, handed, now, records=len(handed), droppable=True)
+        if collected.windows:
+            windows = list(collected.windows)
+            await self._write(Store.add_window_stats, windows, records=len(windows), droppable=True)
+
+    def _count_routed(self, routed: Sequence[Routed]) -> None:
+        """The requests the gateway routed since, counted by the policy as if it had
+        chosen each itself (frozen too: freezing stops learning, not routing)."""
+        for request in routed:
+            self.policy.routed(request)
+
+    def _publish_routes(self) -> None:
+        """Routing mode: each context's route (an arm no pool runs goes to the off pool)
+        for the gateway's workers, who route by it until the next iteration's."""
+        if self.routes_to is None:
+            return
+        routed_arm = self.fleet.routed_arm
+        table = {}
+        for context in self.fleet.contexts:
+            route = self.policy.route(context)
+            arm = routed_arm(route.arm)
+            explore = tuple(
+                (routed_arm(other), share, why)
+                for other, share, why in route.explore
+                if routed_arm(other) != arm
+            )
+            table[context] = Route(arm, route.reason, explore)
+        self.routes_to(table)
 
     @property
     def _source_is_exclusive(self) -> bool:
@@ -380,19 +580,22 @@ class ControlLoop:
         where the leader's source is not exclusive, no follower hands anything over."""
         return bool(getattr(self.source, "exclusive", False))
 
-    async def _handed_over(self) -> list[RequestObservation]:
+    async def _handed_over(self) -> tuple[list[RequestObservation], list[WindowObservation]]:
         """What followers handed over since the last iteration (see ``_hand_over``)."""
         if not self._source_is_exclusive:
-            return []
+            return [], []
         none: list[dict[str, Any]] = []
         taken = await self._read(lambda: self.store.take_handed_over(), none)
-        observations = []
+        observations, windows = [], []
         for data in taken:
             try:
-                observations.append(RequestObservation.from_json(data))
-            except (TypeError, ValueError):
+                if WINDOW_KEY in data:
+                    windows.append(WindowObservation.from_json(data[WINDOW_KEY]))
+                else:
+                    observations.append(RequestObservation.from_json(data))
+            except (TypeError, ValueError, KeyError):
                 log.warning("dropped a handed-over observation that does not parse: %r", data)
-        return observations
+        return observations, windows
 
     async def _store_collected(
         self, observations: Sequence[RequestObservation], windows: Sequence[Any], now: float
@@ -424,7 +627,7 @@ class ControlLoop:
                     self._bad_overrides.add(override.id)
                     alert = AlertRecord(
                         now,
-                        "OverrideNotRunnable",
+                        OVERRIDE_NOT_RUNNABLE,
                         "warning",
                         f"override {override.id} ({override.reason}) is ignored: {exc}",
                     )
@@ -434,8 +637,86 @@ class ControlLoop:
                 pins[context] = Pin(arm, override)
         return pins
 
+    def _tally_routes(self, observations: Sequence[RequestObservation]) -> None:
+        """Count where each context's requests went (routing mode): on its arm, or on
+        another the policy explored. They were routed before this iteration's decisions,
+        so they are held against the arms of the previous one."""
+        edges = self.settings.buckets
+        for observation in observations:
+            context = context_of(observation, edges)
+            if context not in self._known:
+                continue
+            share = self.routes.get(context)
+            if share is None:
+                share = self.routes[context] = RouteShare()
+            share.requests += 1
+            if (observation.arm or UNKNOWN) != self.arms.get(context):
+                share.elsewhere += 1
+
+    def _publish_contexts(self) -> None:
+        """``specpilot_context_*``: each context's arm (what the gateway routes it to in
+        routing mode), the share of its requests served elsewhere, and the acceptance and
+        speed-up the policy estimates for its arm now (no series while it has none: an
+        incumbent without evidence, or another arm's figure, would be a false one)."""
+        metrics = self.metrics
+        for context in self.fleet.contexts:
+            arm = self.arms.get(context)
+            if arm is None:
+                continue
+            labels = (context.model, context.workload_class, context.bucket)
+            shown = self._published.get(context)
+            if shown != arm:
+                if shown is not None:
+                    _remove(metrics.context_arm, *labels, shown)
+                metrics.context_arm.labels(*labels, arm).set(1)
+                self._published[context] = arm
+            share = self.routes.get(context)
+            explored = share.explored if share is not None else None
+            if explored is not None:
+                metrics.explored.labels(*labels).set(explored)
+            else:
+                _remove(metrics.explored, *labels)
+            acceptance = next(
+                (e.acceptance for e in self.policy.estimates(context) if e.arm == arm), None
+            )
+            if acceptance is not None:
+                metrics.estimated_acceptance.labels(*labels).set(acceptance)
+            else:
+                _remove(metrics.estimated_acceptance, *labels)
+            seen_arm, speedup = self._running_speedup.get(context, (arm, None))
+            if seen_arm == arm and speedup is not None:
+                metrics.predicted_speedup.labels(*labels).set(speedup)
+            else:
+                _remove(metrics.predicted_speedup, *labels)
+
+    def _routed_target(self, context: Context, pin: Pin | None) -> Target:
+        """Routing mode: the arm the gateway sends the context's requests to, which is
+        the policy's committed arm (``select`` serves it, bar exploration), from the
+        moment the policy commits it. The loop only records it: the policy's own dwell
+        applies, and freezing stops its learning, not its routing."""
+        current = self.arms.get(context, self.fleet.running_arm(context))
+        choice = self.policy.decide(context, self.fleet.allowed_arms(context), current)
+        arm = self.fleet.routed_arm(choice.arm)
+        self._running_speedup[context] = (
+            arm,
+            choice.predicted_speedup if arm == choice.arm else None,
+        )
+        if pin is not None and arm == pin.arm:
+            return Target(arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
+        reason = choice.reason
+        if arm != choice.arm:
+            reason = f"{reason}; no pool runs {choice.arm}, so the off pool serves it"
+        if self.actors.get(context) == "operator":
+            self.actors[context] = "policy"
+            reason = f"operator override ended; {reason}"
+        return Target(
+            arm, reason, "policy", choice.predicted_speedup if arm == choice.arm else None
+        )
+
     def _target(self, context: Context, pin: Pin | None, now: float) -> Target | None:
         """What the context should run now, or None to leave it as it is."""
+        if self.fleet.routing:
+            return self._routed_target(context, pin)
         if pin is not None:
             return Target(pin.arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
         current = self.arms.get(context, self.fleet.running_arm(context))
@@ -445,20 +726,37 @@ class ControlLoop:
                 self.actors[context] = "policy"  # the arm stays while frozen
             return None
         allowed = self.fleet.allowed_arms(context)
+        if released:
+            # The pinned arm is no baseline: the context goes where evidence says, and
+            # without any back to the config its pool runs.
+            current = self.fleet.running_arm(context)
         choice = self.policy.decide(context, allowed, current)
+        if released and not self._has_evidence(context, choice):
+            choice = ArmChoice(current, "no evidence yet: the config its pool runs")
+        if choice.arm == current:
+            self._running_speedup[context] = (current, choice.predicted_speedup)
+        else:
+            self._running_speedup.pop(context, None)
         if choice.arm not in allowed:
-            self.metrics.guard_rail_rejections.labels(rule="not_runnable").inc()
+            self.metrics.guard_rail_rejections.labels(rule=NOT_RUNNABLE).inc()
             log.warning("%s: policy chose %s, which its pools cannot run", context, choice.arm)
             return None
         dwell = now - self.changed_at.get(context, -math.inf)
         if choice.arm != current and not released and dwell < self.settings.policy.min_dwell_s:
-            self.metrics.guard_rail_rejections.labels(rule="min_dwell").inc()
+            self.metrics.guard_rail_rejections.labels(rule=MIN_DWELL).inc()
             return None
         reason = choice.reason
         if released:
             reason = f"operator override ended; {reason}"
             self.actors[context] = "policy"
         return Target(choice.arm, reason, "policy", choice.predicted_speedup)
+
+    def _has_evidence(self, context: Context, choice: ArmChoice) -> bool:
+        """Whether the policy's choice rests on anything it saw: a prediction, or
+        observations of some arm in this context."""
+        if choice.predicted_speedup is not None:
+            return True
+        return any(estimate.observations > 0 for estimate in self.policy.estimates(context))
 
     def _decision(self, context: Context, target: Target, now: float) -> DecisionRecord:
         return DecisionRecord(
@@ -477,34 +775,109 @@ class ControlLoop:
         for key in [k for k in self._tpot if k[0] == context]:
             del self._tpot[key]
         self._pending.pop(context, None)
+        self.routes.pop(context, None)
         if baseline is not None:
             self._pending[context] = _Pending(decision.ts, decision.arm, baseline)
         self.arms[context] = decision.arm
         self.actors[context] = decision.actor
         self.changed_at[context] = decision.ts
         self.metrics.decisions.labels(actor=decision.actor).inc()
-        if decision.predicted_speedup is not None:
-            labels = (context.model, context.workload_class, context.bucket)
-            self.metrics.predicted_speedup.labels(*labels).set(decision.predicted_speedup)
 
     async def _actuate(self, changed: Sequence[Context]) -> None:
+        """Hand the changed pools' configs to the actuators. A push can take minutes (a
+        managed restart starts and canaries a vLLM), so it runs beside the loop: the
+        iteration waits for it up to one interval, then goes on collecting and
+        deciding; pools that change meanwhile are pushed when it is done."""
         pools = self.fleet.pools if self._push_all else self.fleet.pools_of(changed)
-        configs = [self.fleet.pool_config(name, self.arms) for name in sorted(pools)]
-        if not configs:
-            return
         self._push_all = False
-        for actuator in self.actuators:
-            try:
-                await actuator.apply(configs)
-                self.metrics.actuations.labels(actuator=actuator.name, outcome="ok").inc()
-            except Exception as exc:
-                log.exception("actuator %s failed", actuator.name)
-                self.metrics.actuations.labels(actuator=actuator.name, outcome="error").inc()
-                self._push_all = True  # hand everything over again next time
-                alert = AlertRecord(
-                    self.clock(), "ActuatorFailed", "critical", f"{actuator.name}: {exc}"
-                )
-                await self._record(alert)
+        self._to_push.update(pools)
+        if self._pushing is not None and not self._pushing.done():
+            return
+        if not self._to_push:
+            return
+        configs = [self.fleet.pool_config(name, self.arms) for name in sorted(self._to_push)]
+        self._to_push.clear()
+        self._pushing = asyncio.create_task(self._push(configs))
+        await asyncio.wait({self._pushing}, timeout=self.settings.scrape_interval_s)
+
+    async def _actuate_here(self) -> None:
+        """Per-pod topology, on a follower: hand every pool's config as the leader
+        decided it (read from the store) to the actuators each replica runs, which apply
+        it to this pod's vLLM (each push beside the loop, as the leader's)."""
+        here = [a for a in self.actuators if wrapped(a, RollingRestarts) is not None]
+        if not here or (self._pushing is not None and not self._pushing.done()):
+            return
+        configs = [self.fleet.pool_config(name, self.arms) for name in sorted(self.fleet.pools)]
+        self._pushing = asyncio.create_task(self._push(configs, here))
+        await asyncio.wait({self._pushing}, timeout=self.settings.scrape_interval_s)
+
+    def pool_target(self, pool: str) -> PoolConfig:
+        """The config ``pool`` should run now, by every context's arm."""
+        return self.fleet.pool_config(pool, self.arms)
+
+    async def _push(
+        self, configs: Sequence[PoolConfig], actuators: Sequence[Actuator] | None = None
+    ) -> None:
+        actuators = self.actuators if actuators is None else actuators
+        tracer = self.tracer
+        if tracer is None:
+            await self._push_to_all(configs, actuators, None)
+            return
+        with tracer.start_as_current_span(
+            "specpilot.push", attributes=_push_attributes(configs)
+        ) as span:
+            await self._push_to_all(configs, actuators, tracer)
+            span.set_attribute("specpilot.failed", self._push_all)
+
+    async def _push_to_all(
+        self, configs: Sequence[PoolConfig], actuators: Sequence[Actuator], tracer: Tracer | None
+    ) -> None:
+        for actuator in actuators:
+            if tracer is None:
+                await self._push_to(actuator, configs)
+                continue
+            with tracer.start_as_current_span(
+                f"specpilot.actuate {actuator.name}",
+                attributes={"specpilot.actuator": actuator.name},
+            ):
+                await self._push_to(actuator, configs)
+
+    async def _push_to(self, actuator: Actuator, configs: Sequence[PoolConfig]) -> None:
+        try:
+            await actuator.apply(configs)
+            self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_OK).inc()
+        except Exception as exc:
+            log.exception("actuator %s failed", actuator.name)
+            self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_ERROR).inc()
+            self._push_all = True  # hand everything over again next time
+            span = trace.get_current_span()  # the actuator's span when tracing, else a no-op
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+            now = self.clock()
+            for broken in exactness_failures(exc):
+                await self._record(broken.alert(now))
+            await self._record(
+                AlertRecord(now, ACTUATOR_FAILED, "critical", f"{actuator.name}: {exc}")
+            )
+
+    async def check_exactness(self, now: float) -> None:
+        """Every ``canary.interval_s``, the managed pools' greedy output against their
+        no-speculation reference: ``ExactnessBroken`` while a pool differs, resolved by
+        the next check it passes (``controller.exactness``)."""
+        for checker in self._exactness_checkers():
+            for result in await checker.check_due(now):
+                context = result.context
+                if result.broken is not None:
+                    await self._record(result.broken.alert(now))
+                    self._exactness_firing.add(context)
+                elif context in self._exactness_firing:
+                    self._exactness_firing.discard(context)
+                    await self._resolve(EXACTNESS_BROKEN, "critical", context)
+
+    def _exactness_checkers(self) -> list[ExactnessChecker]:
+        kind: Any = ExactnessChecker  # a runtime-checkable Protocol
+        found = (wrapped(actuator, kind) for actuator in self.actuators)
+        return [checker for checker in found if checker is not None]
 
     async def _measure(self, now: float) -> None:
         wait = self.settings.policy.measure_after_s
@@ -523,7 +896,7 @@ class ControlLoop:
             return
         self._snapshot_ts = now
         state = self.policy.state_dict()
-        await self._write(Store.save_snapshot, now, state, droppable=True)
+        await self._write(Store.save_snapshot, now, state, droppable=True, key=SNAPSHOT_WRITE)
 
     async def _housekeeping(self, now: float) -> None:
         if now - self._housekeeping_at < HOUSEKEEPING_EVERY_S:
@@ -542,3 +915,33 @@ class ControlLoop:
             self.store.purge_handed_over(now - store.observation_retention_s)
 
         await self._read(clean, None)
+
+
+def _start_counters(metrics: ServiceMetrics, actuators: Sequence[Actuator]) -> None:
+    """Every labelled counter the loop knows the labels of, at 0: a series born at 1 shows
+    no ``increase()`` in Prometheus (the first alert, decision or push would be missed),
+    and a panel of events that have not happened shows 0 rather than nothing."""
+    for name in ALERT_NAMES:
+        metrics.alerts.labels(alert=name)
+    for actor in get_args(Actor):
+        metrics.decisions.labels(actor=actor)
+    for rule in (NOT_RUNNABLE, MIN_DWELL):
+        metrics.guard_rail_rejections.labels(rule=rule)
+    for actuator in actuators:
+        for outcome in (PUSH_OK, PUSH_ERROR):
+            metrics.actuations.labels(actuator=actuator.name, outcome=outcome)
+
+
+def _remove(gauge: Any, *labels: str) -> None:
+    """Drop one labelled series, if it is there (a context no longer showing it)."""
+    with contextlib.suppress(KeyError):
+        gauge.remove(*labels)
+
+
+def _push_attributes(configs: Sequence[PoolConfig]) -> dict[str, str | Sequence[str]]:
+    return {
+        "specpilot.pools": [c.pool for c in configs],
+        "specpilot.configs": [
+            json.dumps(c.config, sort_keys=True, separators=(",", ":")) for c in configs
+        ],
+    }

@@ -11,9 +11,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from collectors.observations import RequestObservation
+from collectors.observations import RequestObservation, WindowObservation
 from controller.contexts import Context
+from controller.gateway.table import Route
 from controller.store.records import WindowStatRecord
+
+__all__ = [
+    "ArmChoice",
+    "ArmEstimate",
+    "Collected",
+    "ControlPolicy",
+    "DriftEvent",
+    "ObservationSource",
+    "Route",
+    "Routed",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +52,51 @@ class ArmEstimate:
     observations: int
 
 
+@dataclass(frozen=True, slots=True)
+class DriftEvent:
+    """The policy's change detector found a class × proposer's acceptance moved."""
+
+    at: float
+    model: str
+    workload_class: str
+    proposer: str
+    before: float
+    """First-position acceptance before (the detector's baseline), in [0, 1]."""
+    after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One request a gateway worker routed by the table: its context, the arm it went to
+    and why (the route's reason, or the exploration's), and when (wall clock)."""
+
+    context: Context
+    arm: str
+    reason: str
+    at: float
+
+
 class ControlPolicy(Protocol):
     def observe(self, observation: RequestObservation) -> None:
         """Learn from one finished request."""
+        ...
+
+    def observe_window(self, window: WindowObservation) -> None:
+        """Learn from one worker's ``/metrics`` window (a scraped fleet's evidence)."""
+        ...
+
+    def drift(self) -> Sequence[DriftEvent]:
+        """Acceptance changes detected since the last call (each once)."""
+        ...
+
+    def route(self, context: Context) -> Route:
+        """Where the gateway should send ``context``'s requests until the next iteration
+        (routing mode): the committed arm and the shares it explores."""
+        ...
+
+    def routed(self, request: Routed) -> None:
+        """A request the gateway routed by the last :meth:`route` (before its
+        observation arrives): what choosing it per request would have counted."""
         ...
 
     def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
@@ -73,6 +127,12 @@ class Collected:
 
     observations: Sequence[RequestObservation] = ()
     windows: Sequence[WindowStatRecord] = field(default_factory=tuple)
+    """Every instance's window as stored and shown (usable or not, with why)."""
+    window_observations: Sequence[WindowObservation] = field(default_factory=tuple)
+    """The usable windows as the policy's evidence."""
+    routed: Sequence[Routed] = ()
+    """Routing mode: the requests the gateway routed since, in order (their
+    observations follow as they finish)."""
 
 
 class ObservationSource(Protocol):

@@ -1,13 +1,19 @@
-"""``specpilot serve``: the control loop and the REST API in one process under uvicorn.
+"""``specpilot serve``: the control loop and the REST API in one process and, where the
+settings serve it, the gateway in worker processes of its own (assembled by
+``controller.runtime``).
 
-uvicorn turns SIGTERM and SIGINT into a graceful shutdown; the app's lifespan then
-stops the loop, which saves the learned state and flushes buffered writes.
+The gateway starts first, before the store is reached: when the database is down at
+start, clients are served with the routing table the last run published while the
+store is tried again every ``STORE_RETRY_S`` (the API and the loop start once it
+answers). Meanwhile the API's port answers ``/healthz`` (alive: a liveness probe must not
+restart the process that serves the data path) and ``/readyz`` 503 with the reason
+(``controller.api.create_waiting_app``).
 
-When the settings serve the gateway (routing mode, or ``gateway.enabled``), it runs in
-the same event loop as the API, on its own front end (``controller.gateway.server``, as
-``specpilot gateway`` runs it) at ``gateway.host:gateway.port``: every request it
-relays becomes an observation the loop drains (``QueuedObservations``). A signal then
-stops the gateway and the API together, and the process exits 0.
+SIGTERM and SIGINT stop it gracefully: the API stops taking requests, streams through
+the gateway get ``GATEWAY_GRACE_S`` to finish, then the loop saves the learned state and
+flushes buffered writes; a second signal stops waiting for open API requests. Exit
+codes: 0 after a clean shutdown, 1 when the store cannot be reached (and no gateway is
+served), a port cannot be bound or the API or a gateway worker fails to start.
 """
 
 from __future__ import annotations
@@ -18,57 +24,42 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 
 import uvicorn
 
-from controller.actuators.configured import actuators_from
-from controller.api import create_app
-from controller.builtin import policy_from, source_from
-from controller.gateway.server import GatewayServer
-from controller.service import Service, build_service
+from controller.api import create_waiting_app
+from controller.frontdoor import FrontDoor
+from controller.runtime import ApiServer, Runtime, assemble
 from controller.settings import Settings, actuator_names
 from controller.store.db import StoreUnavailable, redact
 
 log = logging.getLogger(__name__)
 
-GATEWAY_GRACE_S = 30.0
-"""On shutdown, streams in progress through the gateway get this long to finish."""
+STORE_RETRY_S = 5.0
+"""With the gateway serving, how often an unreachable store is tried again at start."""
 
 
 def serve(settings: Settings) -> int:
-    """Run until a signal stops it: 0 after a clean shutdown, 1 if the store is unreachable."""
+    """Run until a signal stops it; see the module docstring for the exit codes."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if settings.serves_gateway:
-        return asyncio.run(_serve_with_gateway(settings))
-    try:
-        service = build_service(settings, policy_from(settings), source_from(settings))
-    except StoreUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    _log_start(settings)
-    app = create_app(settings, service)
-    config = uvicorn.Config(
-        app, host=settings.api.host, port=settings.api.port, log_level="info", lifespan="on"
-    )
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        service.close()
-    return 0
+    return asyncio.run(_serve(settings))
 
 
 def _log_start(settings: Settings) -> None:
     log.info(
-        "specpilot serving on http://%s:%d (store %s); decisions reach the fleet by %s",
+        "specpilot serving on http://%s:%d (store %s); decisions reach the fleet by %s; "
+        "evidence from %s",
         settings.api.host,
         settings.api.port,
         redact(settings.store_url),
         ", ".join(actuator_names(settings)) or "nothing (no actuator)",
+        ", ".join(settings.sources),
     )
-    if settings.actuators.managed is not None and not settings.serves_gateway:
+    managed = settings.actuators.managed
+    # Per pod, clients reach the pod's vLLM through the pool's Service on its fixed port.
+    if managed is not None and managed.pod is None and not settings.serves_gateway:
         log.warning(
             "managed pools without the gateway: clients reach their instances only at the "
             "URLs logged at each start (set gateway.enabled: true to route to them)"
@@ -89,23 +80,12 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    """A server whose signals the caller handles (two servers share one process)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def _serve_with_gateway(settings: Settings) -> int:
-    from controller.frontdoor import gateway_from, switch_traffic
-    from controller.wiring import QueuedObservations
-
+async def _serve(settings: Settings) -> int:
+    wanted = [("api", settings.api.host, settings.api.port)]
+    if settings.serves_gateway:
+        wanted.append(("gateway", settings.gateway.host, settings.gateway.port))
     sockets: list[socket.socket] = []
-    for key, host, port in (
-        ("api", settings.api.host, settings.api.port),
-        ("gateway", settings.gateway.host, settings.gateway.port),
-    ):
+    for key, host, port in wanted:
         try:
             sockets.append(_listen(host, port))
         except OSError as exc:
@@ -113,57 +93,113 @@ async def _serve_with_gateway(settings: Settings) -> int:
             for sock in sockets:
                 sock.close()
             return 1
-    api_socket, gateway_socket = sockets
-    policy = policy_from(settings)
-    observations = QueuedObservations()
-    gateway = gateway_from(settings, policy, observations.put)
-    actuators = actuators_from(settings, on_switch=switch_traffic(settings, gateway))
-    try:
-        service: Service = build_service(settings, policy, observations, actuators=actuators)
-    except StoreUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        gateway.aclose()
-        for sock in sockets:
-            sock.close()
-        return 1
-    _log_start(settings)
-    log.info("gateway on http://%s:%d", settings.gateway.host, settings.gateway.port)
-    api = _Server(
-        uvicorn.Config(
-            create_app(settings, service),
-            host=settings.api.host,
-            port=settings.api.port,
-            log_level="info",
-            lifespan="on",
-        )
-    )
     loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        api.should_exit = True
+    stopping = asyncio.Event()
+    runtime: Runtime | None = None
 
     def on_signal() -> None:
-        if api.should_exit:
-            # A second signal: stop waiting for open requests (the loop still saves).
-            api.force_exit = True
-        stop()
+        # A second signal: stop waiting for open requests (the loop still saves).
+        if runtime is not None:
+            runtime.stop_serving(force=stopping.is_set())
+        stopping.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    front: GatewayServer | None = None
+    front = FrontDoor(settings) if settings.serves_gateway else None
     try:
-        # The gateway's own front end, as `specpilot gateway` runs it; the API under
-        # uvicorn. The API ending (a signal, or failing to start) ends both.
-        front = await GatewayServer.start(gateway, sock=gateway_socket)
-        api_task = asyncio.create_task(api.serve(sockets=[api_socket]))
-        await asyncio.gather(api_task, return_exceptions=True)
-        failed = api_task.exception() is not None or not api.started
+        if front is not None:
+            try:
+                await front.workers.start(sockets[1])
+            except RuntimeError as exc:
+                print(f"error: gateway: {exc}", file=sys.stderr)
+                return 1
+            log.info("gateway on http://%s:%d", settings.gateway.host, settings.gateway.port)
+        runtime = await _assemble(settings, front, stopping, sockets[0])
+        if runtime is None:
+            return 0 if front is not None else 1
+        return await _run(runtime, settings, sockets[0], stopping)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if front is not None:
-            await front.close(grace_s=GATEWAY_GRACE_S)  # closes upstream connections too
-        else:
-            gateway.aclose()
-        service.close()
-    return 1 if failed else 0
+        if runtime is None and front is not None:
+            await front.workers.stop()
+        sockets[0].close()
+
+
+async def _assemble(
+    settings: Settings, front: FrontDoor | None, stopping: asyncio.Event, api_socket: socket.socket
+) -> Runtime | None:
+    """The service, once the store answers; None when it cannot be reached (and no
+    gateway serves meanwhile) or a signal came first. While it waits with the gateway
+    serving, the API's socket answers as :func:`create_waiting_app` says."""
+    waiting: _WaitingApi | None = None
+    try:
+        while True:
+            try:
+                return assemble(settings, front=front)
+            except StoreUnavailable as exc:
+                if front is None:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return None
+                log.error(
+                    "%s; the gateway serves with the routing table it has, the store is "
+                    "tried again in %.0f s",
+                    exc,
+                    STORE_RETRY_S,
+                )
+                if waiting is None:
+                    waiting = _WaitingApi(settings)
+                    waiting.start(api_socket)
+                waiting.reason = str(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), STORE_RETRY_S)
+            if stopping.is_set():
+                return None
+    finally:
+        if waiting is not None:
+            await waiting.stop()
+
+
+class _WaitingApi:
+    """:func:`create_waiting_app` on a duplicate of the API's socket: stopping it closes
+    the duplicate, and the socket keeps listening (connections that arrive meanwhile wait
+    in its backlog) for the API that takes over."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.reason = "not tried yet"
+        self._server = ApiServer(
+            uvicorn.Config(
+                create_waiting_app(lambda: self.reason),
+                host=settings.api.host,
+                port=settings.api.port,
+                log_level="info",
+                lifespan="off",
+            )
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, api_socket: socket.socket) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[api_socket.dup()]))
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def _run(
+    runtime: Runtime, settings: Settings, api_socket: socket.socket, stopping: asyncio.Event
+) -> int:
+    _log_start(settings)
+    clean = False
+    try:
+        await runtime.start(api_socket)
+        if stopping.is_set():  # a signal while it started
+            runtime.stop_serving()
+        clean = await runtime.wait()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    finally:
+        await runtime.stop()
+        runtime.close()
+    return 0 if clean else 1

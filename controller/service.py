@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from controller.actuators.base import Actuator
+from controller.actuators.base import Actuator, wrapped
 from controller.actuators.configured import actuators_from
+from controller.actuators.rolling import RollingRestarts as Pod
 from controller.fleet import Fleet
 from controller.loop import ControlLoop
 from controller.ports import ControlPolicy, ObservationSource
 from controller.settings import Settings
+from controller.sources import FleetPlacements, Placement
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store
 from controller.store.journal import Journal
@@ -35,6 +37,10 @@ class Service:
     metrics: ServiceMetrics
     registry: CollectorRegistry
     clock: Callable[[], float]
+    placements: Callable[[], Sequence[Placement]]
+    """Where each pool runs now and with which config (``/v1/fleet`` lists these)."""
+    pod: Pod | None = None
+    """Per-pod topology: this replica's pod (its vLLM's readiness, for ``/readyz``)."""
 
     def close(self) -> None:
         self.store.close()
@@ -49,10 +55,13 @@ def build_service(
     registry: CollectorRegistry | None = None,
     leadership: Leadership | None = None,
     clock: Callable[[], float] = time.time,
+    placements: FleetPlacements | None = None,
+    store: Store | None = None,
 ) -> Service:
-    """Open the store (migrating it; ``StoreUnavailable`` if it cannot be reached) and
-    wire the loop. Actuators default to what ``settings.actuators`` configures."""
-    store = Store.open(settings.store_url)
+    """Open the store (migrating it; ``StoreUnavailable`` if it cannot be reached), unless
+    it is given open, and wire the loop. Actuators default to what
+    ``settings.actuators`` configures."""
+    store = store if store is not None else Store.open(settings.store_url)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = ServiceMetrics(registry)
     writer = BufferedWriter(
@@ -67,9 +76,15 @@ def build_service(
         store=store,
         writer=writer,
         leadership=leadership if leadership is not None else leadership_for(settings.store_url),
-        actuators=actuators if actuators is not None else actuators_from(settings),
+        actuators=actuators if actuators is not None else actuators_from(settings, leases=store),
         metrics=metrics,
         journal=Journal(settings.data_dir / "journal.jsonl"),
         clock=clock,
     )
-    return Service(settings, fleet, store, policy, loop, metrics, registry, clock)
+    if placements is None:
+        placements = FleetPlacements(settings, fleet)
+    placements.arms = loop.arms
+    pod = next((p for a in loop.actuators if (p := wrapped(a, Pod)) is not None), None)
+    if pod is not None:
+        pod.target = loop.pool_target  # a replica waiting for its turn takes the newest wish
+    return Service(settings, fleet, store, policy, loop, metrics, registry, clock, placements, pod)

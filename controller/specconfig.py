@@ -4,7 +4,7 @@ Two questions, asked by the settings (each pool's running config), the override 
 (what an operator pins) and the actuators (what is pushed):
 
 - ``check_vllm_schema``: would vLLM 0.32 accept this JSON at all? Known method, known
-  keys, ``num_speculative_tokens`` ≥ 1, ``prompt_lookup_min`` ≤ ``prompt_lookup_max``,
+  keys, 1 ≤ ``num_speculative_tokens`` ≤ 128, ``prompt_lookup_min`` ≤ ``prompt_lookup_max``,
   ``num_speculative_tokens_per_batch_size`` as inclusive ``[start, end, k]`` ranges.
 - ``resolve_on_pool``: can this pool run it? Its method (and draft model, where the
   method needs one) must be one of the pool's proposers and γ inside that proposer's
@@ -73,6 +73,11 @@ VLLM_KEYS: frozenset[str] = frozenset(
         "enforce_eager",
     }
 )
+MAX_SPECULATIVE_TOKENS = 128
+"""The most draft tokens vLLM 0.32 verifies per request and step: ``MAX_SPEC_LEN`` in
+``vllm/v1/sample/rejection_sampler.py`` ("Maximum number of speculative draft tokens
+allowed per request in a single step"), which the rejection sampler asserts. Its config
+schema sets no upper bound, so a larger γ starts and fails at the first verify step."""
 # Simulated acceptance for rejection_sample_method "synthetic" (vLLM wants exactly one).
 SYNTHETIC_KEYS: tuple[str, ...] = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
 # What an operator may pin: the arm. How a proposer is tuned comes from the fleet settings.
@@ -84,7 +89,9 @@ class SpecConfigError(ValueError):
     is the reason, shown to operators as is."""
 
 
-def _int(config: Mapping[str, Any], key: str, minimum: int) -> int | None:
+def _int(
+    config: Mapping[str, Any], key: str, minimum: int, maximum: int | None = None
+) -> int | None:
     value = config.get(key)
     if value is None:
         return None
@@ -92,6 +99,8 @@ def _int(config: Mapping[str, Any], key: str, minimum: int) -> int | None:
         raise SpecConfigError(f"{key} must be an integer, got {value!r}")
     if value < minimum:
         raise SpecConfigError(f"{key} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecConfigError(f"{key} must be <= {maximum} (what vLLM verifies), got {value}")
     return value
 
 
@@ -135,7 +144,7 @@ def check_vllm_schema(config: Mapping[str, Any]) -> None:
     unknown = set(config) - VLLM_KEYS
     if unknown:
         raise SpecConfigError(f"unknown keys for vLLM 0.32: {sorted(unknown)}")
-    gamma = _int(config, "num_speculative_tokens", 1)
+    gamma = _int(config, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     if gamma is None:
         raise SpecConfigError("num_speculative_tokens is required (>= 1)")
     if method == "ngram":

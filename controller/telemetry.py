@@ -1,14 +1,15 @@
 """specpilot's own Prometheus metrics, registered on the registry passed in.
 
 Base units, ``_total`` on counters, ``_ratio`` for 0-1 values, labels kept to
-model / class / bucket / arm / actor.
+model / class / bucket / arm / actor; the model's label is vLLM's own ``model_name``, so
+that one dashboard variable selects a model's vLLM and specpilot series alike.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-CONTEXT_LABELS = ("model", "workload_class", "bucket")
+CONTEXT_LABELS = ("model_name", "workload_class", "bucket")
 
 
 class ServiceMetrics:
@@ -85,9 +86,42 @@ class ServiceMetrics:
             CONTEXT_LABELS,
             registry=registry,
         )
+        self.context_arm = Gauge(
+            "specpilot_context_arm",
+            "1 for the arm the context runs (in routing mode: the arm the gateway routes "
+            "its requests to, bar exploration).",
+            (*CONTEXT_LABELS, "arm"),
+            registry=registry,
+        )
+        self.explored = Gauge(
+            "specpilot_context_explored_ratio",
+            "Routing mode: share of the context's requests since its arm last changed that "
+            "the gateway served with another arm (exploration, probes, trials).",
+            CONTEXT_LABELS,
+            registry=registry,
+        )
+        self.alerts = Counter(
+            "specpilot_alerts",
+            "Alerts raised (each one stored), by alert name.",
+            ["alert"],
+            registry=registry,
+        )
+        self.alert_firing = Gauge(
+            "specpilot_alert_firing",
+            "1 while the alert fires for this model, class and proposer, else 0.",
+            ["alert", "model_name", "workload_class", "proposer"],
+            registry=registry,
+        )
         self.api_requests = Counter(
             "specpilot_api_requests_total",
             "REST API requests by route template and status code.",
             ["method", "route", "status"],
+            registry=registry,
+        )
+        self.alert_notifications = Counter(
+            "specpilot_alert_notifications_total",
+            "Deliveries of specpilot's alerts to Alertmanager or the webhook, by outcome "
+            "(ok, failed after every attempt, dropped from a full queue).",
+            ["sink", "outcome"],
             registry=registry,
         )

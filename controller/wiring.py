@@ -16,17 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from collectors.observations import RequestObservation
+from collectors.observations import RequestObservation, WindowObservation
 from controller.contexts import Context
-from controller.ports import ArmChoice, ArmEstimate, Collected
+from controller.fleet import pool_arms
+from controller.ports import ArmChoice, ArmEstimate, Collected, DriftEvent, Route, Routed
 from controller.settings import Settings
-from policies.arms import Arm, ConcurrencyBuckets
+from policies.arms import OFF, Arm, ConcurrencyBuckets
 from policies.bandit import BanditConfig, SpecPilotPolicy
 from policies.fleet import Topology
 
 
 def fleet_arms(settings: Settings) -> tuple[Arm, ...]:
-    """Every arm some pool can run: its proposers over their γ ranges, and what it runs now."""
+    """Every arm some pool can run: its proposers over their γ ranges, and what it runs now.
+
+    In routing mode a pool runs its one config and nothing else: the arms are the ones
+    the pools run, so that the policy never picks an arm the gateway cannot route to."""
+    if settings.actuators.mode == "routing":
+        running = {Arm.parse(arm) for arm in pool_arms(settings).values()}
+        return tuple(sorted(running - {OFF}, key=str))
     arms: set[Arm] = set()
     for pool in settings.fleet.pools.values():
         for name, proposer in pool.proposers.items():
@@ -41,16 +48,35 @@ def bandit_config(settings: Settings, topology: Topology = "shared") -> BanditCo
     ``topology`` follows from how decisions reach the fleet, not from tuning: routing
     mode (a pool per config) is ``per_arm``; one engine per model is ``shared``.
     """
-    known = {f.name for f in dataclasses.fields(BanditConfig)} - {"buckets", "dwell_s", "topology"}
+    fixed = {"buckets", "dwell_s", "topology", "moves_need_evidence"}
+    known = {f.name for f in dataclasses.fields(BanditConfig)} - fixed
     unknown = sorted(set(settings.policy.params) - known)
     if unknown:
         raise ValueError(f"policy.params: unknown {unknown} (known: {sorted(known)})")
+    params = dict(settings.policy.params)
+    pushes = settings.actuators.mode == "push"
+    if pushes:
+        # One config per engine at a time: the data cannot split drafting from the step.
+        params.setdefault("draft_cost_prior", PUSH_DRAFT_COST_PRIOR)
     return BanditConfig(
         buckets=ConcurrencyBuckets(tuple(settings.buckets)),
         dwell_s=settings.policy.min_dwell_s,
         topology=topology,
-        **settings.policy.params,
+        moves_need_evidence=pushes,
+        **params,
     )
+
+
+EXPLORING = frozenset({"explore", "probe", "trial"})
+"""The reasons of a request served by another arm than its context's committed one."""
+
+PUSH_DRAFT_COST_PRIOR = 0.05
+"""Drafting cost per draft position, as a share of a plain step, that push mode assumes
+until the fleet runs a second arm: a verify step of γ = 4 then costs 1.2 plain steps,
+so a proposer whose acceptance collapses (about one token per step) is predicted to
+lose, as the seeds' break-even says, while a healthy one (three tokens per step) is not
+mistaken for a loss. Evidence with contrast (another γ, another proposer, or off on the
+same engine) outweighs it; ``policy.params.draft_cost_prior`` sets another."""
 
 
 class BanditControlPolicy:
@@ -58,16 +84,58 @@ class BanditControlPolicy:
 
     def __init__(self, policy: SpecPilotPolicy) -> None:
         self.policy = policy
+        self._drift_seen = 0
 
     def observe(self, observation: RequestObservation) -> None:
         self.policy.observe(observation)
 
+    def observe_window(self, window: WindowObservation) -> None:
+        self.policy.observe_window(window)
+
+    def drift(self) -> Sequence[DriftEvent]:
+        events = self.policy.change_events
+        if self._drift_seen > len(events):  # a state was loaded since
+            self._drift_seen = len(events)
+        new = events[self._drift_seen :]
+        self._drift_seen = len(events)
+        return [
+            DriftEvent(e.at_s, e.model, e.workload_class, e.proposer, e.baseline, e.recent)
+            for e in new
+        ]
+
+    def route(self, context: Context) -> Route:
+        """The bandit's route as a gateway worker samples from it: the Thompson arm's
+        share is the share of the class's requests the exploration cap gives it in the
+        long run (in process, ``select`` follows the cap's moving rate instead)."""
+        policy = self.policy
+        route = policy.route(context)
+        explore_share = policy.exploration.explore_share(context.model, context.workload_class)
+        explore = tuple(
+            (str(arm), explore_share if why == "explore" else share, why)
+            for arm, share, why in route.explore
+        )
+        return Route(str(route.arm), route.reason, explore)
+
+    def routed(self, request: Routed) -> None:
+        """Count a request the gateway routed as ``select`` counts those it serves."""
+        try:
+            arm = Arm.parse(request.arm)
+        except ValueError:
+            return
+        self.policy.served(request.context, arm, request.reason in EXPLORING, request.at)
+
     def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
-        decision = self.policy.decide(context)
+        try:
+            running: Arm | None = Arm.parse(current)
+        except ValueError:
+            running = None
+        decision = self.policy.decide(context, running=running)
         arm = str(decision.arm)
         if arm not in allowed_arms:
             return ArmChoice(current, f"policy prefers {arm}, which no pool here can run")
-        return ArmChoice(arm, decision.reason, decision.predicted_speedup)
+        # An incumbent has no evidence yet: whatever the model predicts for it is a guess.
+        speedup = None if decision.reason == "incumbent" else decision.predicted_speedup
+        return ArmChoice(arm, decision.reason, speedup)
 
     def set_pins(self, pins: Mapping[Context, str]) -> None:
         for override in self.policy.overrides:
@@ -120,6 +188,7 @@ class BanditControlPolicy:
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.policy.load_state_dict(state)
+        self._drift_seen = len(self.policy.change_events)
 
 
 def bandit_policy(
@@ -139,7 +208,8 @@ def bandit_policy(
 
 
 class QueuedObservations:
-    """Observations handed over in-process (by the gateway), drained by the loop.
+    """Observations handed over in-process (from the gateway's workers), drained by the
+    loop, with the routed requests they follow (routing mode).
 
     Bounded: past ``limit`` the oldest are dropped and counted, so a stalled loop costs
     memory up to the bound, never more.
@@ -150,6 +220,7 @@ class QueuedObservations:
 
     def __init__(self, limit: int = 100_000) -> None:
         self._queue: deque[RequestObservation] = deque(maxlen=limit)
+        self._routed: deque[Routed] = deque(maxlen=limit)
         self.dropped = 0
 
     def put(self, observation: RequestObservation) -> None:
@@ -157,10 +228,17 @@ class QueuedObservations:
             self.dropped += 1
         self._queue.append(observation)
 
+    def put_routed(self, request: Routed) -> None:
+        if len(self._routed) == self._routed.maxlen:
+            self.dropped += 1
+        self._routed.append(request)
+
     async def collect(self) -> Collected:
-        drained = tuple(self._queue)
+        drained, routed = tuple(self._queue), tuple(self._routed)
         self._queue.clear()
-        return Collected(observations=drained)
+        self._routed.clear()
+        return Collected(observations=drained, routed=routed)
 
     async def aclose(self) -> None:
         self._queue.clear()
+        self._routed.clear()

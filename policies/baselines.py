@@ -5,8 +5,11 @@
   ``num_speculative_tokens_per_batch_size``;
 * :class:`EpsilonGreedy` and :class:`UCB1` — textbook bandits over the flat arm list
   per context, rewarded with the request's own generation speed (tokens per second);
-* :class:`OraclePolicy` — knows the true acceptance and costs at every moment and
-  serves each class the arm of the best joint assignment.
+* :class:`OraclePolicy` — knows the true figures and serves each class the arm of the
+  best joint assignment under the fluid model (:func:`policies.fleet.best_assignment`)
+  at the concurrency its truth names. Not an upper bound: the fluid model averages the
+  batch, and a phase's nominal concurrency is not what every request starts at (the
+  benchmark's bound is :class:`simulator.oracle.BatchOracle`).
 """
 
 from __future__ import annotations
@@ -163,11 +166,13 @@ class Truth:
 
 
 class OraclePolicy:
-    """Serves each class its arm in the best joint assignment under the true figures."""
+    """Serves each class its arm in the best joint assignment under the true figures
+    and the fluid model."""
 
-    name = "oracle"
-
-    def __init__(self, arms: Sequence[Arm], truth: Callable[[], Truth]) -> None:
+    def __init__(
+        self, arms: Sequence[Arm], truth: Callable[[], Truth], name: str = "oracle"
+    ) -> None:
+        self.name = name
         self.arms = tuple(arms)
         self._truth = truth
         self._cache: dict[tuple[object, ...], dict[str, Arm]] = {}

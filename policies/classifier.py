@@ -10,11 +10,12 @@ Two ways to get one, in this order:
 
 1. **Explicit** — the client says it: the header ``X-Workload-Class`` (case-insensitive
    name) or the OpenAI body's ``metadata.workload_class``; the header wins over the
-   body. Values are normalised (trimmed, lower-cased). A value that is not one of the
-   model's classes raises :class:`UnknownWorkloadClassError` (the gateway answers 400)
-   instead of falling back to a prediction: a typo that silently pooled traffic into
-   another class would corrupt that class's acceptance estimates without anyone
-   noticing, whereas a rejected request is seen at once by whoever set the header.
+   body. Values are normalised (trimmed, lower-cased). Here a value that is not one of
+   the model's classes raises :class:`UnknownWorkloadClassError` (``specpilot classify``
+   reports it) instead of falling back to a prediction. The gateway reads the header
+   and metadata itself (``controller.gateway.classify.RequestKeys``) and puts a class
+   the settings do not list in their default class: it serves the request either way,
+   and no made-up value becomes a context of the policy.
 2. **Model** — a scikit-learn pipeline predicts it from the prompt: hashed TF-IDF of
    character 1–3-grams and words (hashing bounds memory whatever the vocabulary) plus
    numeric "shape" features — prompt length, code and JSON markers, how much the

@@ -10,7 +10,7 @@ import bisect
 import dataclasses
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,16 +76,25 @@ class AcceptanceModel:
             self.requests *= factor
         self.updated_at = now
 
-    def update(self, accepted_per_position: Sequence[int], num_drafts: int, now: float) -> None:
-        if num_drafts <= 0:
+    def update(
+        self,
+        accepted_per_position: Sequence[float],
+        num_drafts: float,
+        now: float,
+        *,
+        requests: float = 1.0,
+    ) -> None:
+        """Add the counts of ``requests`` requests (one request, or a worker's window
+        of many: it counts as that many requests of equal drafts each)."""
+        if num_drafts <= 0 or requests <= 0:
             return
         self._age(now)
-        weight = min(1.0, self.trials_per_request / num_drafts)
+        weight = min(1.0, self.trials_per_request * requests / num_drafts)
         pairs = conditional_acceptance(accepted_per_position, num_drafts)
         for i, (accepted, tried) in enumerate(pairs[: self.positions]):
             self.successes[i] += weight * accepted
             self.trials[i] += weight * tried
-        self.requests += 1.0
+        self.requests += requests
 
     def reset(self) -> None:
         self.successes[:] = 0.0
@@ -138,8 +147,13 @@ class AcceptanceModel:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.successes = np.array(state["successes"], dtype=float)
-        self.trials = np.array(state["trials"], dtype=float)
+        # Saved for another γ range: deeper positions than it had start from the prior.
+        self.successes = np.zeros(self.positions)
+        self.trials = np.zeros(self.positions)
+        saved_successes = np.array(state["successes"], dtype=float)[: self.positions]
+        saved_trials = np.array(state["trials"], dtype=float)[: self.positions]
+        self.successes[: len(saved_successes)] = saved_successes
+        self.trials[: len(saved_trials)] = saved_trials
         self.updated_at = state["updated_at"]
         self.requests = float(state["requests"])
 
@@ -325,9 +339,24 @@ class StepCostModel:
     the posterior. Features come from the batch composition the policy itself assigned.
     """
 
-    def __init__(self, proposers: Sequence[str], *, half_life_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        proposers: Sequence[str],
+        *,
+        half_life_s: float = 1800.0,
+        draft_cost_prior: float | None = None,
+    ) -> None:
         self.proposers = tuple(sorted(proposers))
         self.half_life_s = half_life_s
+        self.draft_cost_prior = draft_cost_prior
+        """Prior drafting cost per draft position, as a fraction of a plain step (None:
+        no prior beyond the ridge). Where an engine runs one arm at a time (push mode),
+        its step times cannot tell the plain step from drafting: both move together.
+        The prior decides that split, weakly enough that any contrast in the data (the
+        engine also ran another γ, another proposer, or off) outweighs it; without it,
+        the ridge alone would split the time by minimum norm and call drafting most of
+        the step. Speculation is never free (every verify step drafts, samples and
+        rejects), so the prior is positive."""
         dims = 1 + len(self.proposers)
         knees = len(KNEE_GRID)
         self._knees = np.array(KNEE_GRID)
@@ -349,8 +378,9 @@ class StepCostModel:
             rows[:, 1 + j] = depth.get(proposer, 0)
         return rows
 
-    def update(self, rows: FloatArray, step_s: float, now: float) -> None:
-        """Add one request: its mean design rows over its life (see :meth:`features`)."""
+    def update(self, rows: FloatArray, step_s: float, now: float, *, weight: float = 1.0) -> None:
+        """Add one request: its mean design rows over its life (see :meth:`features`);
+        or a worker's window, as ``weight`` requests of its mean step time."""
         if self.updated_at is not None:
             factor = decay_factor(now - self.updated_at, self.half_life_s)
             self.xtx *= factor
@@ -360,10 +390,10 @@ class StepCostModel:
         self.updated_at = now
         self._fitted = None
         self._mean_params = None
-        self.xtx += rows[:, :, None] * rows[:, None, :]
-        self.xty += rows * step_s
-        self.yty += step_s * step_s
-        self.weight += 1.0
+        self.xtx += weight * rows[:, :, None] * rows[:, None, :]
+        self.xty += weight * rows * step_s
+        self.yty += weight * step_s * step_s
+        self.weight += weight
         # The first column at the lowest knee is T / knee where T passed it.
         self.largest_batch = max(self.largest_batch, float(rows[0, 0] * self._knees[0]))
 
@@ -381,7 +411,20 @@ class StepCostModel:
         dims = self.xtx.shape[1]
         scale = max(self.yty / max(self.weight, 1e-9), 1e-12)
         # Ridge: a weak prior pulling coefficients towards zero, scaled to the data.
-        precision = self.xtx + 1e-3 * np.eye(dims)[None, :, :] * max(self.weight, 1.0)
+        ridge = np.eye(dims)
+        if self.draft_cost_prior is not None:
+            # The plain step is always in the data (every step has one); pulling it to
+            # zero would, where drafting and the step cannot be told apart, hand the
+            # difference to drafting against the prior below.
+            ridge[0, 0] = 0.0
+        precision = self.xtx + 1e-3 * ridge[None, :, :] * max(self.weight, 1.0)
+        if self.draft_cost_prior is not None:
+            # Penalise (β_p − prior × β_0)² per proposer: drafting costs about the prior's
+            # share of a plain step per position unless the data says otherwise.
+            contrast = np.zeros((len(self.proposers), dims))
+            contrast[:, 0] = -self.draft_cost_prior
+            contrast[:, 1:] = np.eye(len(self.proposers))
+            precision = precision + 1e-2 * max(self.weight, 1.0) * (contrast.T @ contrast)[None]
         coefficients = np.linalg.solve(precision, self.xty[:, :, None])[:, :, 0]
         coefficients[:, 0] = np.maximum(coefficients[:, 0], 1e-9)
         coefficients[:, 1:] = np.maximum(coefficients[:, 1:], 0.0)
@@ -558,16 +601,24 @@ class BatchTracker:
     def in_flight(self) -> int:
         return sum(c for c in self.counts.values() if c > 0)
 
-    def composition(self, extra: Arm | None = None) -> tuple[int, dict[str, int]]:
+    def composition(self, extra: Arm | None = None) -> tuple[float, dict[str, int]]:
         """(verified positions per step, deepest γ per proposer) of the batch now,
         optionally with one more sequence on ``extra``."""
-        verify = 0
-        depth: dict[str, int] = {}
-        members = list(self.counts.items()) + ([(extra, 1)] if extra is not None else [])
-        for arm, count in members:
-            if count <= 0:
-                continue
-            verify += count * arm.verify_tokens
-            if arm.proposer is not None:
-                depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
-        return verify, depth
+        return composition(self.counts, extra)
+
+
+def composition(
+    counts: Mapping[Arm, float], extra: Arm | None = None
+) -> tuple[float, dict[str, int]]:
+    """(verified positions per step, deepest γ per proposer) of a batch holding
+    ``counts`` sequences per arm, optionally with one more sequence on ``extra``."""
+    verify = 0.0
+    depth: dict[str, int] = {}
+    members = list(counts.items()) + ([(extra, 1.0)] if extra is not None else [])
+    for arm, count in members:
+        if count <= 0:
+            continue
+        verify += count * arm.verify_tokens
+        if arm.proposer is not None:
+            depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
+    return verify, depth

@@ -9,6 +9,11 @@ once the batch verifies more than ``knee_tokens`` positions (compute-bound):
 ``step_s × max(1, T / knee_tokens)``. Each proposer in use adds its drafting: one
 draft forward per draft position, ``draft_cost × step_s`` each, for as many positions
 as the deepest γ among its sequences (drafts are small, so they stay memory-bound).
+
+In steady state (:func:`steady_state_draws`) a batch of n streams holds, at each step,
+n sequences drawn from the classes in proportion to their slots, so the drafting a step
+pays is that of the deepest γ among n draws, not the deepest γ any class uses: with one
+stream only the running request's own γ drafts, with many the deepest one does.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ TokensPerStep = Callable[[str, Arm], float]
 """Expected tokens one step emits for a class under an arm (1 for off)."""
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +104,9 @@ def engine_of(arm: Arm, topology: Topology) -> str:
     return str(arm) if topology == "per_arm" else ""
 
 
-# Up to this many per-class arm combinations, per-arm planning scores them all.
-_EXHAUSTIVE_LIMIT = 4096
+# Up to this many per-class arm combinations (three classes over the simulator's 17
+# arms), the assignment search scores them all.
+_EXHAUSTIVE_LIMIT = 5000
 
 # Bisection rounds for the stream split between engines (see split_streams): 2**-64
 # of the bracket, far below anything the model can tell apart.
@@ -157,6 +164,57 @@ def split_streams(
     return lam, steps
 
 
+def expected_depth(above: FloatArray, concurrency: float) -> FloatArray:
+    """Expected deepest γ of one proposer among ``concurrency`` sequences drawn
+    independently, where ``above[..., g]`` is the share of sequences drafting deeper
+    than g with it: Σ_g P(some sequence drafts deeper than g)."""
+    streams = max(concurrency, 1.0)
+    result: FloatArray = (1.0 - (1.0 - np.clip(above, 0.0, 1.0)) ** streams).sum(axis=-1)
+    return result
+
+
+def _drafting_levels(arms: Sequence[Arm]) -> dict[str, FloatArray]:
+    """Per proposer: (arms × γ levels) indicators of an arm drafting deeper than g."""
+    tops: dict[str, int] = {}
+    for arm in arms:
+        if arm.proposer is not None:
+            tops[arm.proposer] = max(tops.get(arm.proposer, 0), arm.gamma)
+    return {
+        proposer: np.array(
+            [[arm.proposer == proposer and arm.gamma > g for g in range(top)] for arm in arms],
+            dtype=np.float64,
+        )
+        for proposer, top in tops.items()
+    }
+
+
+def _shared_batch(
+    concurrency: float,
+    weights: FloatArray,
+    verify: FloatArray,
+    levels: Mapping[str, FloatArray],
+    step_s: FloatArray,
+    knee_tokens: FloatArray,
+    draft_s: Mapping[str, FloatArray],
+) -> tuple[FloatArray, FloatArray]:
+    """(streams per unit of slot-time, seconds per step) of one batch of
+    ``concurrency`` closed-loop streams, for N cases at once.
+
+    ``weights`` (N, C): each class's slots (share / E); ``verify`` (N, C): its verified
+    positions per step; ``levels[p]`` (N, C, G): whether its arm drafts deeper than g
+    with proposer p; ``step_s``, ``knee_tokens`` and ``draft_s[p]`` (drafting seconds
+    per position) broadcast as (N,). Goodput is the first result × Σ share.
+    """
+    slots = weights.sum(axis=-1)
+    verified = (weights * verify).sum(axis=-1)
+    step = step_s * np.maximum(1.0, concurrency * verified / slots / knee_tokens)
+    for proposer, level in levels.items():
+        above = np.einsum("nc,ncg->ng", weights, level) / slots[:, None]
+        step = step + draft_s.get(proposer, 0.0) * expected_depth(above, concurrency)
+    rate: FloatArray = concurrency / (slots * step)
+    return rate, step
+
+
 def steady_state_draws(
     concurrency: float,
     token_shares: Mapping[str, float],
@@ -172,7 +230,8 @@ def steady_state_draws(
     ``token_shares`` is each class's share of the generated tokens it asks for (its
     request share × its mean output length). In steady state a class occupies batch
     slots in proportion to the steps its tokens need (Little's law), i.e. share / E;
-    all slots of an engine then advance one step per step time.
+    all slots of an engine then advance one step per step time, and each proposer
+    drafts as deep as the deepest γ among the sequences of a step (see the module).
 
     With ``topology="per_arm"`` every arm runs in its own engine (routing mode: a pool
     per speculative config): the streams split between engines in proportion to the
@@ -188,6 +247,27 @@ def steady_state_draws(
         idle = cost.step_time(0.0, {})
         return np.zeros(size), {cls: idle for cls in token_shares}
     total_share = sum(token_shares[cls] for members in engines.values() for cls in members)
+
+    def weight(cls: str) -> FloatArray:
+        arm = assignment.get(cls, OFF)
+        per_draw = tokens[(cls, arm)] if arm.proposer is not None else 1.0
+        return np.broadcast_to(token_shares[cls] / np.asarray(per_draw, dtype=np.float64), size)
+
+    if len(engines) == 1:
+        # One batch holds every stream: nothing to split.
+        (members,) = engines.values()
+        held = [assignment.get(cls, OFF) for cls in members]
+        levels = _drafting_levels(held)
+        rate, step = _shared_batch(
+            concurrency,
+            np.stack([weight(cls) for cls in members], axis=-1),
+            np.array([arm.verify_tokens for arm in held], dtype=np.float64)[None, :],
+            {p: level[None, :, :] for p, level in levels.items()},
+            cost.step_s,
+            cost.knee_tokens,
+            {p: cost.draft_cost[p] * cost.step_s for p in levels if p in cost.draft_cost},
+        )
+        return rate * total_share, dict.fromkeys(members, step)
     slots = np.zeros((size, len(engines)))
     verify = np.zeros((size, len(engines)))
     drafting = np.zeros((size, len(engines)))
@@ -195,19 +275,13 @@ def steady_state_draws(
         depth: dict[str, int] = {}
         for cls in members:
             arm = assignment.get(cls, OFF)
-            weight = token_shares[cls] / (tokens[(cls, arm)] if arm.proposer is not None else 1.0)
-            slots[:, index] += weight
-            verify[:, index] += weight * arm.verify_tokens
+            slots[:, index] += weight(cls)
+            verify[:, index] += weight(cls) * arm.verify_tokens
             if arm.proposer is not None:
                 depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
         drafting[:, index] = cost.step_time(0.0, depth) - cost.step_s
     step_s, knee = cost.step_s[:, None], cost.knee_tokens[:, None]
-    if len(engines) == 1:
-        # One batch holds every stream: nothing to split.
-        steps = step_s * np.maximum(1.0, concurrency * verify / slots / knee) + drafting
-        rate = concurrency / (slots[:, 0] * steps[:, 0])
-    else:
-        rate, steps = split_streams(concurrency, slots, verify, drafting, step_s, knee)
+    rate, steps = split_streams(concurrency, slots, verify, drafting, step_s, knee)
     step_of = {
         cls: steps[:, index] for index, members in enumerate(engines.values()) for cls in members
     }
@@ -249,6 +323,32 @@ def steady_goodput(
     return steady_state(concurrency, token_shares, tokens_per_step, assignment, cost, topology)[0]
 
 
+def steady_batch(
+    concurrency: float,
+    token_shares: Mapping[str, float],
+    tokens_per_step: TokensPerStep,
+    assignment: Mapping[str, Arm],
+    cost: CostParams,
+    topology: Topology = "shared",
+) -> dict[Arm, float]:
+    """The other sequences one request finds in flight, per arm, in steady state:
+    ``concurrency - 1`` in all, each class's in proportion to the time its requests
+    hold a stream (its slots × its engine's step time)."""
+    _, step = steady_state(concurrency, token_shares, tokens_per_step, assignment, cost, topology)
+    held = {
+        cls: token_shares[cls] / tokens_per_step(cls, arm) * step[cls]
+        for cls, arm in ((c, assignment.get(c, OFF)) for c, s in token_shares.items() if s > 0)
+    }
+    total = sum(held.values())
+    out: dict[Arm, float] = {}
+    if total <= 0:
+        return out
+    for cls, time in held.items():
+        arm = assignment.get(cls, OFF)
+        out[arm] = out.get(arm, 0.0) + max(concurrency - 1.0, 0.0) * time / total
+    return out
+
+
 def best_assignment(
     concurrency: float,
     token_shares: Mapping[str, float],
@@ -256,141 +356,135 @@ def best_assignment(
     arms: Sequence[Arm],
     cost: CostParams,
     start: Mapping[str, Arm] | None = None,
-    max_rounds: int = 4,
+    max_rounds: int = 6,
     topology: Topology = "shared",
 ) -> dict[str, Arm]:
     """The per-class arms that maximise :func:`steady_goodput`.
 
-    Classes share a batch, so one class's arm changes what the others pay: a proposer
-    whose drafting two classes share can look indispensable to each of them alone.
-    Coordinate ascent (each round re-picks every class's best arm given the rest until
-    nothing changes) therefore runs from the current decisions, which keeps the answer
-    stable when several are equally good, and from everything off; the better end
-    point wins. The objective is evaluated incrementally (this runs inside every
-    re-plan): with the other classes fixed, slots W, verified positions V and drafting
-    depths are sums and maxima that one class's arm only adds to. With one engine per
-    arm, classes interact through the split of streams between engines instead, and
-    every candidate arm of a class is scored in one vectorised :func:`split_streams`.
+    Where the classes' arm combinations are few (``_EXHAUSTIVE_LIMIT``) all of them are
+    scored at once, vectorised. Otherwise the search climbs from several starts: the
+    current decisions, everything off, and the best "one arm for all" assignments.
+    Each round re-picks every class's arm given the rest, then moves every group of
+    classes sharing an arm together: classes share a batch, so a proposer whose
+    drafting two classes share (or, in per-arm pools, a pool two classes fill) can
+    look indispensable to each of them alone, and single moves stall there. The
+    current decisions are kept unless something beats them, so the answer stays
+    stable when several are equally good.
     """
     classes = sorted(c for c, s in token_shares.items() if s > 0)
+    kept_arms = {c: (start or {}).get(c, OFF) for c in classes}
     if not classes or concurrency <= 0:
-        return {c: (start or {}).get(c, OFF) for c in classes}
-    expected = {(c, a): tokens_per_step(c, a) for c in classes for a in arms}
-    for cls, arm in (start or {}).items():
-        if cls in token_shares:
-            expected[(cls, arm)] = tokens_per_step(cls, arm)
-    total_share = sum(token_shares[c] for c in classes)
-    step_s, knee = cost.step_s, cost.knee_tokens
-
+        return kept_arms
     # Every arm a class may hold: the choices, what the classes hold now, and off.
-    candidates = list(dict.fromkeys([*arms, *(start or {}).values(), OFF]))
+    candidates = list(dict.fromkeys([*arms, *kept_arms.values(), OFF]))
     position = {arm: index for index, arm in enumerate(candidates)}
-    one_hot = np.eye(len(candidates))
-    draft_s = np.array(
-        [cost.draft_cost.get(a.proposer, 0.0) * step_s * a.gamma if a.proposer else 0.0
-         for a in candidates]
+    choices = np.array(sorted({position[a] for a in arms}), dtype=np.int64)
+    table = np.array(
+        [[tokens_per_step(c, a) if a.proposer is not None else 1.0 for a in candidates]
+         for c in classes]
     )  # fmt: skip
-    verify_tokens = np.array([a.verify_tokens for a in candidates], dtype=float)
+    weights = np.array([token_shares[c] for c in classes])[:, None] / table
+    total_share = sum(token_shares[c] for c in classes)
+    verify_tokens = np.array([a.verify_tokens for a in candidates], dtype=np.float64)
+    step_s, knee = np.array([cost.step_s]), np.array([cost.knee_tokens])
+    columns = np.arange(len(classes))
 
-    def per_arm_scores(current: Mapping[str, Arm], cls: str) -> dict[Arm, float]:
-        """Goodput with each candidate arm for ``cls``, the other classes fixed."""
-        base = np.zeros(len(candidates))
-        for other in classes:
-            if other != cls:
-                base[position[current[other]]] += (
-                    token_shares[other] / expected[(other, current[other])]
-                )
-        weights = np.array([token_shares[cls] / expected[(cls, a)] for a in candidates])
-        slots = base[None, :] + one_hot * weights[:, None]
-        verify = slots * verify_tokens[None, :]
-        drafting = np.where(slots > 0, draft_s[None, :], 0.0)
-        rate, _ = split_streams(
-            concurrency, slots, verify, drafting, np.array([[step_s]]), np.array([[knee]])
-        )
-        return dict(zip(candidates, (rate * total_share).tolist(), strict=True))
+    if topology == "per_arm":
+        draft_s = np.array(
+            [cost.draft_cost.get(a.proposer, 0.0) * cost.step_s * a.gamma if a.proposer else 0.0
+             for a in candidates]
+        )  # fmt: skip
 
-    def value(slots: float, verify: float, drafting: float) -> float:
-        step = step_s * max(1.0, concurrency * verify / slots / knee) + drafting
-        return concurrency * total_share / slots / step
+        def score(rows: IntArray) -> FloatArray:
+            slots = np.zeros((len(rows), len(candidates)))
+            np.add.at(slots, (np.arange(len(rows))[:, None], rows), weights[columns, rows])
+            rate, _ = split_streams(
+                concurrency,
+                slots,
+                slots * verify_tokens[None, :],
+                np.where(slots > 0, draft_s[None, :], 0.0),
+                step_s[:, None],
+                knee[:, None],
+            )
+            result: FloatArray = rate * total_share
+            return result
 
-    def ascend(current: dict[str, Arm]) -> dict[str, Arm]:
-        for _ in range(max_rounds):
-            changed = False
-            for cls in classes:
-                slots = verify = 0.0
-                depth: dict[str, int] = {}
-                for other in classes:
-                    if other == cls:
-                        continue
-                    arm = current[other]
-                    weight = token_shares[other] / expected[(other, arm)]
-                    slots += weight
-                    verify += weight * arm.verify_tokens
-                    if arm.proposer is not None:
-                        depth[arm.proposer] = max(depth.get(arm.proposer, 0), arm.gamma)
-                drafting = sum(cost.draft_cost.get(p, 0.0) * step_s * d for p, d in depth.items())
-                share = token_shares[cls]
+    else:
+        levels = _drafting_levels(candidates)
+        draft_per_position = {
+            p: np.array([cost.draft_cost.get(p, 0.0) * cost.step_s]) for p in levels
+        }
 
-                def score(arm: Arm) -> float:
-                    weight = share / expected[(cls, arm)]  # noqa: B023 - used at once
-                    extra = 0.0
-                    if arm.proposer is not None:
-                        deeper = arm.gamma - depth.get(arm.proposer, 0)  # noqa: B023
-                        if deeper > 0:
-                            extra = cost.draft_cost.get(arm.proposer, 0.0) * step_s * deeper
-                    return value(
-                        slots + weight,  # noqa: B023
-                        verify + weight * arm.verify_tokens,  # noqa: B023
-                        drafting + extra,  # noqa: B023
-                    )
+        def score(rows: IntArray) -> FloatArray:
+            rate, _ = _shared_batch(
+                concurrency,
+                weights[columns, rows],
+                verify_tokens[rows],
+                {p: level[rows] for p, level in levels.items()},
+                step_s,
+                knee,
+                draft_per_position,
+            )
+            result: FloatArray = rate * total_share
+            return result
 
-                scores = (
-                    per_arm_scores(current, cls)
-                    if topology == "per_arm"
-                    else {arm: score(arm) for arm in {*arms, current[cls]}}
-                )
-                best_arm = current[cls]
-                best_value = scores[best_arm]
-                for arm in arms:
-                    if arm != best_arm and scores[arm] > best_value * (1 + 1e-9):
-                        best_arm, best_value = arm, scores[arm]
-                if best_arm != current[cls]:
-                    current[cls] = best_arm
-                    changed = True
-            if not changed:
+    kept = np.array([position[kept_arms[c]] for c in classes], dtype=np.int64)
+    if len(choices) ** len(classes) <= _EXHAUSTIVE_LIMIT:
+        rows = np.array(list(itertools.product(choices.tolist(), repeat=len(classes))))
+        values = score(rows)
+        best_row, best_value = rows[int(np.argmax(values))], float(values.max())
+    else:
+        best_row, best_value = climb(score, kept, choices, max_rounds)
+        uniform = np.repeat(choices[:, None], len(classes), axis=1)
+        off = np.full(len(classes), position[OFF], dtype=np.int64)
+        for row in [off, *uniform[np.argsort(-score(uniform))[:3]]]:
+            row, value = climb(score, row, choices, max_rounds)
+            if value > best_value * (1 + 1e-9):
+                best_row, best_value = row, value
+    if float(score(kept[None, :])[0]) >= best_value * (1 - 1e-9):
+        return kept_arms
+    return {c: candidates[int(i)] for c, i in zip(classes, best_row, strict=True)}
+
+
+def climb(
+    score: Callable[[IntArray], FloatArray], row: IntArray, choices: IntArray, rounds: int
+) -> tuple[IntArray, float]:
+    """Coordinate ascent over per-class arm indices (``row``, each one of ``choices``)
+    maximising ``score`` (rows → values), with group and pair moves (see
+    :func:`best_assignment`); the end point and its score."""
+    row = row.copy()
+    value = float(score(row[None, :])[0])
+    for _ in range(rounds):
+        improved = False
+        groups = [[c] for c in range(len(row))]
+        groups += [
+            members
+            for arm in np.unique(row)
+            if len(members := np.flatnonzero(row == arm).tolist()) > 1
+        ]
+        for members in groups:
+            moves = np.repeat(row[None, :], len(choices), axis=0)
+            moves[:, members] = choices[:, None]
+            scores = score(moves)
+            best = int(np.argmax(scores))
+            if scores[best] > value * (1 + 1e-9):
+                row, value, improved = moves[best].copy(), float(scores[best]), True
+        if not improved:
+            # Two classes at once: one giving up a proposer's depth while another
+            # takes it up gains where neither move alone does.
+            pairs = list(itertools.combinations(range(len(row)), 2))
+            if not pairs:
                 break
-        return current
-
-    def goodput(assignment: Mapping[str, Arm]) -> float:
-        return steady_goodput(
-            concurrency, token_shares, tokens_per_step, assignment, cost, topology
-        )
-
-    if topology == "per_arm" and len(arms) ** len(classes) <= _EXHAUSTIVE_LIMIT:
-        # Pools add capacity, so spreading classes over arms can beat every single
-        # move from a given point: coordinate ascent stalls there. Few combinations
-        # are all scored at once instead.
-        choices = np.array(list(itertools.product(range(len(arms)), repeat=len(classes))))
-        rows = np.arange(len(choices))
-        slots = np.zeros((len(choices), len(candidates)))
-        for column, cls in enumerate(classes):
-            weights = np.array([token_shares[cls] / expected[(cls, a)] for a in arms])
-            engines = np.array([position[a] for a in arms])[choices[:, column]]
-            np.add.at(slots, (rows, engines), weights[choices[:, column]])
-        rate, _ = split_streams(
-            concurrency,
-            slots,
-            slots * verify_tokens[None, :],
-            np.where(slots > 0, draft_s[None, :], 0.0),
-            np.array([[step_s]]),
-            np.array([[knee]]),
-        )
-        best = {cls: arms[i] for cls, i in zip(classes, choices[int(np.argmax(rate))], strict=True)}
-        kept = {c: (start or {}).get(c, OFF) for c in classes}
-        return kept if goodput(kept) >= goodput(best) * (1 - 1e-9) else best
-    best = ascend({c: (start or {}).get(c, OFF) for c in classes})
-    if start:
-        other = ascend(dict.fromkeys(classes, OFF))
-        if goodput(other) > goodput(best) * (1 + 1e-9):
-            best = other
-    return best
+            first, second = np.meshgrid(choices, choices, indexing="ij")
+            moves = np.repeat(row[None, :], len(pairs) * first.size, axis=0)
+            for index, (a, b) in enumerate(pairs):
+                block = slice(index * first.size, (index + 1) * first.size)
+                moves[block, a] = first.ravel()
+                moves[block, b] = second.ravel()
+            scores = score(moves)
+            best = int(np.argmax(scores))
+            if scores[best] > value * (1 + 1e-9):
+                row, value, improved = moves[best].copy(), float(scores[best]), True
+        if not improved:
+            break
+    return row, value

@@ -52,7 +52,7 @@ def speedup(
 
 
 def counterfactual_expected_tokens(
-    accepted_per_position: Sequence[int], num_drafts: int
+    accepted_per_position: Sequence[float], num_drafts: float
 ) -> tuple[float, ...]:
     """Expected tokens per step for every γ' = 0..γ, from one run at γ.
 
@@ -80,8 +80,8 @@ def counterfactual_expected_tokens(
 
 
 def conditional_acceptance(
-    accepted_per_position: Sequence[int], num_drafts: int
-) -> tuple[tuple[int, int], ...]:
+    accepted_per_position: Sequence[float], num_drafts: float
+) -> tuple[tuple[float, float], ...]:
     """Per-position (successes, trials) of acceptance given every earlier position passed.
 
     Position 0 is tried on every step; position i only on the steps that accepted
@@ -89,7 +89,7 @@ def conditional_acceptance(
     they do not depend on which γ ≥ i+1 produced them.
     """
     counterfactual_expected_tokens(accepted_per_position, num_drafts)  # validates
-    pairs: list[tuple[int, int]] = []
+    pairs: list[tuple[float, float]] = []
     trials = num_drafts
     for accepted in accepted_per_position:
         pairs.append((accepted, trials))

@@ -331,8 +331,8 @@ class Engine:
             prompt_tokens=None,
             output_tokens=flight.request.output_tokens,
             ttft_s=first - flight.admitted_at,
-            # vLLM's per-request mean_itl is per token, not per step.
-            mean_itl_s=generation / (flight.request.output_tokens - 1),
+            # vLLM's per-request mean_itl is per token, not per step (0 for one token).
+            mean_itl_s=generation / max(flight.request.output_tokens - 1, 1),
             generation_time_s=generation,
             spec=spec,
             workload_class=flight.request.workload_class,

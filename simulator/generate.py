@@ -14,12 +14,16 @@ _PROPOSERS = {
 _CLASSES = ("code", "json", "edit", "chat", "rag", "creative")
 
 
-def random_scenario(seed: int, duration_s: float = 1800.0) -> dict[str, Any]:
+def random_scenario(
+    seed: int, duration_s: float = 1800.0, *, stationary: bool = False
+) -> dict[str, Any]:
     """A scenario dict (see :mod:`simulator.scenario`) drawn from ``seed``.
 
     Two or three proposers, two to five classes with random shares and acceptances
     (n-gram bimodal: great on copy-heavy classes, useless elsewhere), three to five
-    load phases between 1 and 64 streams, and up to two drift events.
+    load phases between 1 and 64 streams, and up to two drift events. ``stationary``
+    keeps the first phase's load for the whole run and drops the drift events (the
+    same draws otherwise, so the fleet and classes are the seed's).
     """
     rng = np.random.default_rng(seed)
     names = list(_PROPOSERS)
@@ -62,6 +66,8 @@ def random_scenario(seed: int, duration_s: float = 1800.0) -> dict[str, Any]:
                 "acceptance": round(float(rng.uniform(0.05, 0.5)), 2),
             }
         )
+    if stationary:
+        phases, drift = phases[:1], []
     return {
         "seed": seed,
         "duration_s": duration_s,

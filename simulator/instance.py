@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 from collections import deque
@@ -38,6 +39,8 @@ from policies.arms import OFF, Arm
 from simulator.engine import Completion, Engine, Plan, SimRequest, plan_request
 from simulator.scenario import Scenario
 from simulator.vllm_metrics import VllmMetrics
+
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
@@ -182,6 +185,12 @@ class RequestDrawer:
                 alpha[proposer] = mean
         self._next_id += 1
         return SimRequest(self._next_id, 0, workload_class, length, alpha, self._rng.random(length))
+
+
+def _driver_ended(task: asyncio.Task[None]) -> None:
+    """A driver that fails leaves its instance answering nothing: say why, once."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("simulated instance stopped serving", exc_info=task.exception())
 
 
 _CODE_MARKERS = re.compile(r"```|\bdef |\bclass |\breturn\b|;\s*$|\bimport |=>|\{\s*$", re.M)
@@ -386,6 +395,7 @@ class SimInstance:
         """Start driving the engine in the running event loop."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drive())
+            self._task.add_done_callback(_driver_ended)
 
     async def stop(self) -> None:
         task, self._task = self._task, None

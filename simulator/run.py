@@ -140,8 +140,11 @@ def simulate(
                 request = traffic.request(stream, issued[stream], now)
                 issued[stream] += 1
                 context = Context(model, request.workload_class, bucket)
-                guess = policy.best_guess(context)
+                # The request path asks only ``select`` (the controller does too), so
+                # it runs first and carries any re-planning; ``best_guess`` after it
+                # only tells whether the request explored.
                 arm = policy.select(context)
+                guess = policy.best_guess(context)
                 engine.add(request, arm, concurrency)
                 admissions.append(Admission(now, request.workload_class, arm, arm != guess))
         while next_boundary < len(boundaries) and boundaries[next_boundary] <= now:

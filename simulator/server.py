@@ -73,10 +73,24 @@ def _dumps(document: Mapping[str, Any]) -> str:
     return json.dumps(document, separators=(",", ":"))
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+def _error(
+    status: int, message: str, kind: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
     """vLLM's OpenAI-style error body."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+def _too_long(prompt_tokens: int, max_model_len: int) -> JSONResponse:
+    """What vLLM 0.32 answers a prompt longer than its context (``renderers/params.py``),
+    before the request reaches the engine."""
+    return _error(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+        "without any output tokens. Please reduce the length of the input prompt.",
+        param="input_tokens",
+    )
 
 
 def filler_text(request_id: int, start: int, count: int) -> str:
@@ -346,6 +360,8 @@ def build_app(instance: SimInstance, *, pool: str = "", name: str = "") -> FastA
             call = _read_call(body, chat, request.headers.get(WORKLOAD_CLASS_HEADER))
         except ValueError as exc:
             return _error(400, str(exc))
+        if call.prompt_tokens > instance.kv_cache_tokens:
+            return _too_long(call.prompt_tokens, instance.kv_cache_tokens)
         try:
             ticket = instance.submit(
                 _pick_class(instance, call), call.prompt_tokens, call.max_tokens

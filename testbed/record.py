@@ -3,8 +3,8 @@
 Starts real servers from the testbed one after another and saves, byte for byte:
 
 - ``metrics-<cfg>-start.txt`` / ``metrics-<cfg>-after.txt``: ``/metrics`` right after
-  start-up and after the traffic below, for ``ngram`` (γ=4), ``draft`` (noise 0.3, γ=3)
-  and ``off``;
+  start-up and after the traffic below, for ``ngram`` (γ=4), ``draft`` (the trained draft
+  model, γ=3) and ``off``;
 - ``metrics-ngram-restarted.txt``: the n-gram server restarted and given one request, so
   (``after``, ``restarted``) is a counter-reset pair;
 - ``completion-<cfg>.json``, ``chat-<cfg>.json``: non-streaming responses;
@@ -28,7 +28,7 @@ from testbed.environment import ModelSet, VllmEnvironment
 from testbed.server import VllmServer, parse_spec
 from testbed.traffic import PROSE_PROMPTS, chat_body, code_prompt, completion_body
 
-CONFIGS = {"ngram": "ngram:4", "draft": "draft:0.3:3", "off": "off"}
+CONFIGS = {"ngram": "ngram:4", "draft": "draft:3", "off": "off"}
 DEFAULT_OUT = Path("tests/fixtures/vllm-0.32")
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from controller.specconfig import Proposer, SpecConfigError, arm_config
 from testbed.environment import ModelSet, VllmEnvironment
 
 SERVED_MODEL = "tiny-llama"
@@ -45,32 +46,35 @@ def free_port() -> int:
         return port
 
 
-def parse_spec(spec: str, models: ModelSet) -> dict[str, Any] | None:
-    """Turn a short spec into vLLM's ``--speculative-config`` JSON object.
+NGRAM_TUNING = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+"""How the testbed's n-gram proposer matches: suffixes of 2 to 4 tokens."""
+GAMMA_MAX = 16
 
-    ``off`` → None; ``ngram:K`` → n-gram lookup with γ = K; ``draft:NOISE:K`` → the
-    draft model built with that weight noise, γ = K.
+
+def proposers(models: ModelSet) -> tuple[Proposer, ...]:
+    """The ways the testbed drafts: n-gram lookup, the trained draft model, and the
+    trained EAGLE-1 and EAGLE-3 heads (``testbed/build_models.py``)."""
+    return (
+        Proposer("ngram", "ngram", 1, GAMMA_MAX, tuning=tuple(NGRAM_TUNING.items())),
+        Proposer("draft", "draft_model", 1, GAMMA_MAX, model=str(models.draft)),
+        Proposer("eagle", "eagle", 1, GAMMA_MAX, model=str(models.eagle)),
+        Proposer("eagle3", "eagle3", 1, GAMMA_MAX, model=str(models.eagle3)),
+    )
+
+
+SPEC_FORMS = "off, ngram:K, draft:K, eagle:K or eagle3:K"
+
+
+def parse_spec(spec: str, models: ModelSet) -> dict[str, Any] | None:
+    """Turn a short spec (an arm's text form) into vLLM's ``--speculative-config``.
+
+    ``off`` → None; ``ngram:K`` → n-gram lookup with γ = K; ``draft:K`` → the trained
+    draft model; ``eagle:K`` / ``eagle3:K`` → the trained EAGLE-1 / EAGLE-3 head.
     """
-    parts = spec.split(":")
     try:
-        if parts == ["off"]:
-            return None
-        if parts[0] == "ngram" and len(parts) == 2:
-            return {
-                "method": "ngram",
-                "num_speculative_tokens": int(parts[1]),
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2,
-            }
-        if parts[0] == "draft" and len(parts) == 3:
-            return {
-                "method": "draft_model",
-                "model": str(models.draft(float(parts[1]))),
-                "num_speculative_tokens": int(parts[2]),
-            }
-    except ValueError as exc:
-        raise ValueError(f"bad speculative spec {spec!r}: {exc}") from exc
-    raise ValueError(f"bad speculative spec {spec!r}: use off, ngram:K or draft:NOISE:K")
+        return arm_config(spec, proposers(models))
+    except SpecConfigError as exc:
+        raise ValueError(f"bad speculative spec {spec!r} (use {SPEC_FORMS}): {exc}") from exc
 
 
 KNEE_TOKENS = 16

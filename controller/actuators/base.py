@@ -9,7 +9,7 @@ and hands the pool over again on the next iteration.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from controller.fleet import PoolConfig
 
@@ -18,3 +18,17 @@ class Actuator(Protocol):
     name: str
 
     async def apply(self, configs: Sequence[PoolConfig]) -> None: ...
+
+
+K = TypeVar("K")
+
+
+def wrapped(actuator: object, kind: type[K]) -> K | None:
+    """``actuator`` or what it wraps (``inner``: pacing, a pool filter, rolling restarts),
+    whichever is a ``kind`` first; None if none is."""
+    inner = actuator
+    while not isinstance(inner, kind):
+        if not hasattr(inner, "inner"):
+            return None
+        inner = inner.inner
+    return inner

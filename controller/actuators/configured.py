@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from controller.actuators.base import Actuator
 from controller.actuators.file import FileActuator
@@ -18,20 +18,28 @@ from controller.actuators.managed import (
 )
 from controller.actuators.pacing import Paced
 from controller.actuators.preflight import Preflight
+from controller.actuators.rolling import RollingRestarts
 from controller.actuators.webhook import RetrySettings, WebhookActuator
 from controller.builtin import load_factory
 from controller.fleet import PoolConfig
 from controller.settings import LaunchSettings, ManagedActuatorSettings, Settings
+from controller.store.db import Store
 
-ConfigSwitch = Callable[[str, tuple[str, ...], SpecConfig], None]
+ConfigSwitch = Callable[[str, tuple[str, ...], SpecConfig], Awaitable[None] | None]
 """Told ``(pool, base URLs, config they run)`` when a managed pool's instances change."""
 
 
-def actuators_from(settings: Settings, *, on_switch: ConfigSwitch | None = None) -> list[Actuator]:
+def actuators_from(
+    settings: Settings,
+    *,
+    on_switch: ConfigSwitch | None = None,
+    leases: Store | None = None,
+) -> list[Actuator]:
     """File (unless turned off), webhook, Kubernetes and managed, as configured; none in
     routing mode (pools keep their configs). Pushes that may restart instances are
     paced per pool by ``policy.min_dwell_s`` so a flapping decision never becomes a
-    restart storm. ``on_switch`` hears where a managed pool's traffic must go now."""
+    restart storm. ``on_switch`` hears where a managed pool's traffic must go now.
+    ``leases``: the store, where the per-pod topology's replicas take turns to restart."""
     wanted = settings.actuators
     if wanted.mode == "routing":
         return []
@@ -57,9 +65,25 @@ def actuators_from(settings: Settings, *, on_switch: ConfigSwitch | None = None)
             targets, patch_type=wanted.kubernetes.patch_type, preflight=preflight
         )
         actuators.append(Paced(kubernetes, settings.policy.min_dwell_s))
-    if wanted.managed is not None:
-        managed = managed_actuator(settings, wanted.managed, preflight, on_switch)
-        only = OnlyPools(managed, tuple(wanted.managed.pools))
+    managed = wanted.managed
+    if managed is not None and managed.pod_pool is not None:
+        if leases is None:
+            raise ValueError("the per-pod topology takes its restart leases from the store")
+        pool = managed.pod_pool
+        rolling = RollingRestarts(
+            managed_actuator(settings, managed, preflight, on_switch, pools=(pool,)),
+            leases,
+            pool=pool,
+            replica=managed.replica,
+            max_unavailable=managed.max_unavailable,
+            ttl_s=managed.lease_ttl_s,
+            poll_s=settings.leader.check_interval_s,
+        )
+        actuators.append(Paced(OnlyPools(rolling, (pool,)), settings.policy.min_dwell_s))
+    elif managed is not None:
+        only = OnlyPools(
+            managed_actuator(settings, managed, preflight, on_switch), tuple(managed.pools)
+        )
         actuators.append(Paced(only, settings.policy.min_dwell_s))
     return actuators
 
@@ -69,12 +93,21 @@ def managed_actuator(
     managed: ManagedActuatorSettings,
     preflight: Preflight,
     on_switch: ConfigSwitch | None = None,
+    *,
+    pools: Sequence[str] | None = None,
 ) -> ManagedActuator:
-    """The supervisor of the managed pools, each started by its own launcher. Keys left
-    out take ``ManagedSettings``' and ``CanarySettings``' defaults."""
-    timing = managed.model_dump(exclude_unset=True, exclude={"pools", "canary"})
+    """The supervisor of the managed pools (``pools``: only these), each started by its
+    own launcher. Keys left out take ``ManagedSettings``' and ``CanarySettings``' defaults."""
+    timing = managed.model_dump(
+        exclude_unset=True,
+        exclude={"pools", "canary", "pod", "max_unavailable", "lease_ttl_s"},
+    )
     canary = CanarySettings(**managed.canary.model_dump(exclude_unset=True))
-    launchers = {pool: launcher_from(settings, pool, spec) for pool, spec in managed.pools.items()}
+    launchers = {
+        pool: launcher_from(settings, pool, spec)
+        for pool, spec in managed.pools.items()
+        if pools is None or pool in pools
+    }
     actuator = ManagedActuator(
         PoolLaunchers(launchers),
         settings=ManagedSettings(**timing, canary=canary),
@@ -94,6 +127,7 @@ def launcher_from(settings: Settings, pool: str, spec: LaunchSettings) -> Launch
         command=tuple(spec.command),
         served_model=spec.served_model or settings.fleet.pools[pool].model,
         host=spec.host,
+        port=spec.port,
         environment=dict(spec.environment),
         log_dir=spec.log_dir or settings.data_dir / "vllm-logs",
     )

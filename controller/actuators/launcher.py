@@ -41,6 +41,12 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+def local_host(host: str) -> str:
+    """Where this machine reaches a server listening on ``host``: a wildcard address
+    (a pod's vLLM listens on every interface for its Service) is reached on loopback."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, host)
+
+
 @dataclass
 class ProcessInstance:
     process: asyncio.subprocess.Process
@@ -72,6 +78,9 @@ class CommandLauncher:
     served_model: str
     """The model name the server answers to (its ``--served-model-name``)."""
     host: str = "127.0.0.1"
+    port: int | None = None
+    """The port every launch listens on (in place: one instance at a time); None: a
+    free one each time."""
     environment: Mapping[str, str] = field(default_factory=dict)
     """Added to this process's environment (``CUDA_VISIBLE_DEVICES``, ...)."""
     log_dir: Path | None = None
@@ -83,7 +92,7 @@ class CommandLauncher:
         return [*argv, "--host", self.host, "--port", str(port)]
 
     async def launch(self, pool: str, config: SpecConfig, timeout_s: float) -> Instance:
-        port = free_port()
+        port = self.port or free_port()
         log_dir = self.log_dir or Path(tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"specpilot-{pool}-{port}.log"
@@ -97,7 +106,7 @@ class CommandLauncher:
                 start_new_session=True,
             )
         instance = ProcessInstance(
-            process, f"http://{self.host}:{port}", self.served_model, log_path
+            process, f"http://{local_host(self.host)}:{port}", self.served_model, log_path
         )
         try:
             await self._wait_healthy(instance, timeout_s)

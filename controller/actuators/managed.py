@@ -41,9 +41,22 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
+from opentelemetry import trace
 
 from collectors.exposition import ExpositionError, parse_exposition
 from controller.actuators.preflight import Preflight, PreflightError
+from controller.exactness import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPTS,
+    ExactnessBroken,
+    ExactnessResult,
+    ExactnessUnavailable,
+    TokenIds,
+    compare,
+    config_text,
+    greedy_tokens,
+)
 from controller.fleet import PoolConfig
 
 log = logging.getLogger(__name__)
@@ -89,6 +102,14 @@ class CanarySettings:
     than this fraction (0.25: 25 % slower). None: do not compare. The old instance also
     carries live traffic, so the comparison favours the new one; it catches a config
     that is plainly slower, not a few percent."""
+    exactness: bool = True
+    """Greedy output must match the pool's no-speculation reference token for token
+    (``controller.exactness``): checked after each start and every ``interval_s``."""
+    exactness_prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    exactness_max_tokens: int = DEFAULT_MAX_TOKENS
+    interval_s: float | None = DEFAULT_INTERVAL_S
+    """Seconds between exactness checks of a running speculating instance (None: only
+    after pushes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +127,10 @@ class ManagedSettings:
     canary: CanarySettings = field(default_factory=CanarySettings)
 
 
-Stage = Literal["preflight", "start", "canary", "slower", "rollback"]
+Stage = Literal["preflight", "start", "canary", "slower", "exactness", "rollback"]
+Phase = Literal["draining", "restarting"]
+"""Where an in-place restart is: the old instance draining, or the pool's instance
+stopped and its successor (or the rollback) starting and being canaried."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +143,8 @@ class RolloutFailure:
     reason: str
     serving: SpecConfig
     still_serving: bool
+    exactness: ExactnessBroken | None = None
+    """Set when the new instance's greedy output differed from the reference."""
 
     def describe(self) -> str:
         after = "old instance kept serving" if self.still_serving else "pool has NO instance"
@@ -143,6 +169,15 @@ class _Refused:
 
     stage: Stage
     reason: str
+    exactness: ExactnessBroken | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Reference:
+    """Greedy token ids of the canary prompts, and where they came from."""
+
+    tokens: tuple[TokenIds, ...]
+    source: str
 
 
 class _CanaryError(Exception):
@@ -195,6 +230,13 @@ class ManagedActuator:
         self.transport = transport
         self._running: dict[str, _Running] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._references: dict[str, _Reference] = {}
+        """Per pool: what an instance without speculation answered (the reference)."""
+        self._inexact: dict[str, set[str]] = {}
+        """Per pool: configs whose greedy output differed (refused without a start)."""
+        self._checked_at: dict[str, float] = {}
+        self.phases: dict[str, Phase] = {}
+        """Per pool, while an in-place restart takes its instance out of service."""
 
     # -- what serves each pool -----------------------------------------------------------
 
@@ -236,11 +278,22 @@ class ManagedActuator:
                 self.preflight.check(pool_config)
             except PreflightError as exc:
                 return self._failure(pool, config, "preflight", str(exc))
+            if config_text(config) in self._inexact.get(pool, set()):
+                reason = "its greedy output differed from the reference at an earlier push"
+                return self._failure(pool, config, "exactness", reason)
+            self._checked_at.pop(pool, None)
             if current is not None and self.settings.mode == "in_place":
                 return await self._replace_in_place(pool, config, current)
             return await self._blue_green(pool, config, current)
 
-    def _failure(self, pool: str, config: SpecConfig, stage: Stage, reason: str) -> RolloutFailure:
+    def _failure(
+        self,
+        pool: str,
+        config: SpecConfig,
+        stage: Stage,
+        reason: str,
+        exactness: ExactnessBroken | None = None,
+    ) -> RolloutFailure:
         current = self._running.get(pool)
         failure = RolloutFailure(
             pool,
@@ -249,6 +302,7 @@ class ManagedActuator:
             reason,
             serving=current.config if current else None,
             still_serving=current is not None,
+            exactness=exactness,
         )
         log.error("rollout failed: %s", failure.describe())
         return failure
@@ -256,9 +310,10 @@ class ManagedActuator:
     async def _blue_green(
         self, pool: str, config: SpecConfig, current: _Running | None
     ) -> RolloutFailure | None:
-        started = await self._start_proven(pool, config, current)
+        baseline = await self._baseline(pool, current)
+        started = await self._start_proven(pool, config, current, baseline)
         if isinstance(started, _Refused):
-            return self._failure(pool, config, started.stage, started.reason)
+            return self._failure(pool, config, started.stage, started.reason, started.exactness)
         self._running[pool] = _Running(started, config)
         await self._switch(pool)
         if current is not None:
@@ -270,17 +325,28 @@ class ManagedActuator:
     async def _replace_in_place(
         self, pool: str, config: SpecConfig, current: _Running
     ) -> RolloutFailure | None:
+        baseline = await self._baseline(pool, current)  # before the old one stops
+        self.phases[pool] = "draining"
+        try:
+            return await self._restart(pool, config, current, baseline)
+        finally:
+            del self.phases[pool]
+
+    async def _restart(
+        self, pool: str, config: SpecConfig, current: _Running, baseline: _Reference | None
+    ) -> RolloutFailure | None:
         del self._running[pool]
         await self._switch(pool)
         await self._drain(current.instance)
+        self.phases[pool] = "restarting"
         await current.instance.stop()
-        started = await self._start_proven(pool, config, None)
+        started = await self._start_proven(pool, config, None, baseline)
         if not isinstance(started, _Refused):
             self._running[pool] = _Running(started, config)
             await self._switch(pool)
             return None
         # Roll back: the old config ran before, so start it again.
-        restored = await self._start_proven(pool, current.config, None)
+        restored = await self._start_proven(pool, current.config, None, None)
         if isinstance(restored, _Refused):
             return self._failure(
                 pool,
@@ -290,10 +356,14 @@ class ManagedActuator:
             )
         self._running[pool] = _Running(restored, current.config)
         await self._switch(pool)
-        return self._failure(pool, config, started.stage, started.reason)
+        return self._failure(pool, config, started.stage, started.reason, started.exactness)
 
     async def _start_proven(
-        self, pool: str, config: SpecConfig, compare_with: _Running | None
+        self,
+        pool: str,
+        config: SpecConfig,
+        compare_with: _Running | None,
+        baseline: _Reference | None,
     ) -> Instance | _Refused:
         """A new instance that started and passed the canary, or why not (stopped)."""
         try:
@@ -302,9 +372,14 @@ class ManagedActuator:
             return _Refused("start", _one_line(exc))
         try:
             await self._canary(instance, compare_with.instance if compare_with else None)
+            await self._check_new(pool, config, instance, baseline)
         except _CanaryError as exc:
             await instance.stop()
             return _Refused(exc.stage, str(exc))
+        except ExactnessBroken as exc:
+            await instance.stop()
+            self._inexact.setdefault(pool, set()).add(config_text(config))
+            return _Refused("exactness", str(exc), exc)
         except BaseException:
             await instance.stop()  # cancelled mid-canary: never leave an orphan
             raise
@@ -359,6 +434,104 @@ class ManagedActuator:
             return float("nan")
         return self.timer() - started
 
+    # -- exactness -----------------------------------------------------------------------
+
+    async def _greedy(self, instance: Instance) -> tuple[TokenIds, ...]:
+        canary = self.settings.canary
+        async with httpx.AsyncClient(timeout=canary.timeout_s, transport=self.transport) as client:
+            return await greedy_tokens(
+                client,
+                instance.base_url,
+                instance.served_model,
+                canary.exactness_prompts,
+                canary.exactness_max_tokens,
+            )
+
+    async def _baseline(self, pool: str, current: _Running | None) -> _Reference | None:
+        """What a new instance of ``pool`` must answer: the pool's no-speculation
+        reference, else what the instance serving it now answers (before the push)."""
+        if not self.settings.canary.exactness:
+            return None
+        reference = self._references.get(pool)
+        if reference is not None or current is None:
+            return reference
+        try:
+            tokens = await self._greedy(current.instance)
+        except (httpx.HTTPError, ExactnessUnavailable) as exc:
+            log.warning("pool %s: no exactness baseline from the old instance: %s", pool, exc)
+            return None
+        source = f"the instance before the push ({config_text(current.config)})"
+        if current.config is None:
+            self._references[pool] = _Reference(tokens, "no speculation")
+            return self._references[pool]
+        return _Reference(tokens, source)
+
+    async def _check_new(
+        self, pool: str, config: SpecConfig, instance: Instance, baseline: _Reference | None
+    ) -> None:
+        """Raise ``ExactnessBroken`` if the new instance's greedy tokens differ from the
+        baseline; an instance without speculation becomes the pool's reference."""
+        if not self.settings.canary.exactness:
+            return
+        try:
+            tokens = await self._greedy(instance)
+        except httpx.HTTPError as exc:
+            raise _CanaryError("canary", f"exactness request failed: {_one_line(exc)}") from exc
+        except ExactnessUnavailable as exc:
+            log.warning("pool %s: exactness not checked: %s", pool, exc)
+            _exactness_event(pool, config, "unavailable")
+            return
+        if config is None:
+            self._references[pool] = _Reference(tokens, "no speculation")
+            _exactness_event(pool, config, "reference")
+            return
+        if baseline is None:
+            log.warning(
+                "pool %s: %s starts unverified: no instance without speculation to compare "
+                "with yet (exactness is checked once the pool has run one)",
+                pool,
+                config_text(config),
+            )
+            _exactness_event(pool, config, "unverified")
+            return
+        divergences = compare(baseline.tokens, tokens)
+        _exactness_event(pool, config, "broken" if divergences else "exact", len(divergences))
+        if divergences:
+            raise ExactnessBroken(pool, config, baseline.source, divergences)
+
+    async def check_due(self, now: float) -> list[ExactnessResult]:
+        """The loop's periodic check: each speculating pool with a reference, every
+        ``canary.interval_s`` (the first call only starts the clock)."""
+        canary = self.settings.canary
+        if not canary.exactness or canary.interval_s is None:
+            return []
+        results = []
+        for pool, running in sorted(self._running.items()):
+            reference = self._references.get(pool)
+            lock = self._locks.setdefault(pool, asyncio.Lock())
+            if running.config is None or reference is None or lock.locked():
+                continue
+            last = self._checked_at.setdefault(pool, now)
+            if now - last < canary.interval_s:
+                continue
+            self._checked_at[pool] = now
+            async with lock:
+                try:
+                    tokens = await self._greedy(running.instance)
+                except (httpx.HTTPError, ExactnessUnavailable) as exc:
+                    log.warning("pool %s: exactness check skipped: %s", pool, exc)
+                    continue
+            divergences = compare(reference.tokens, tokens)
+            broken = (
+                ExactnessBroken(pool, running.config, reference.source, divergences)
+                if divergences
+                else None
+            )
+            if broken is not None:
+                log.error("%s", broken)
+            results.append(ExactnessResult(f"pool={pool}", broken))
+        return results
+
     async def _drain(self, instance: Instance) -> None:
         """Wait until ``instance`` has no request left (two quiet readings in a row)."""
         settings = self.settings
@@ -383,6 +556,19 @@ class ManagedActuator:
         for pool in sorted(running):
             await running[pool].instance.stop()
             await self._switch(pool)
+
+
+def _exactness_event(pool: str, config: SpecConfig, outcome: str, differing: int = 0) -> None:
+    """On the current span (the push's actuator span when tracing; else a no-op)."""
+    trace.get_current_span().add_event(
+        "specpilot.exactness",
+        {
+            "specpilot.pool": pool,
+            "specpilot.config": config_text(config),
+            "specpilot.exactness.outcome": outcome,
+            "specpilot.exactness.differing_prompts": differing,
+        },
+    )
 
 
 def _one_line(error: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,13 +43,14 @@ from controller.api.schemas import (
     StatsRowOut,
 )
 from controller.contexts import WILDCARD
-from controller.loop import FROZEN_KEY
+from controller.loop import FROZEN_KEY, RouteShare
 from controller.ports import ArmEstimate
 from controller.service import Service
 from controller.settings import Settings
 from controller.specconfig import SpecConfigError
-from controller.store.db import is_unavailable
+from controller.store.db import StoreLost, is_unavailable
 from controller.store.records import OverrideRecord, Scope
+from controller.urls import redact_url
 
 MAX_ID = 2**63 - 1
 NO_NUL = r"^[^\x00]*$"
@@ -151,17 +153,36 @@ def build_router() -> APIRouter:
         )
         newest = {(w.pool, w.instance): w for w in windows}
         pools = []
+        settings = service.settings
+        stale_after = settings.collect.scrape.stale_after_s or 3 * settings.scrape_interval_s
+        placed: dict[str, list[str]] = {}
+        for placement in service.placements():
+            placed.setdefault(placement.pool, []).append(placement.instance)
+        if service.pod is not None:
+            # Per-pod topology: the other pods' vLLMs, as their replicas last reported.
+            for (name, instance), window in sorted(newest.items()):
+                listed = placed.setdefault(name, [])
+                if instance not in listed and service.clock() - window.ts <= stale_after:
+                    listed.append(instance)
         for name, pool in sorted(service.fleet.pools.items()):
             instances = []
-            for url in pool.instances:
-                window = newest.get((name, url))
+            for url in placed.get(name, pool.instances):
+                window = newest.get((name, url)) or newest.get((name, url.rstrip("/")))
+                if window is not None and service.clock() - window.ts > stale_after:
+                    age = service.clock() - window.ts
+                    window = dataclasses.replace(
+                        window, healthy=False, status=f"stale: newest window {age:.0f} s old"
+                    )
                 instances.append(
                     InstanceOut(
-                        url=url,
+                        url=redact_url(url),
                         healthy=window.healthy if window else None,
                         last_window_at=window.ts if window else None,
                         acceptance_rate=window.acceptance_rate if window else None,
                         mean_acceptance_length=window.mean_acceptance_length if window else None,
+                        arm=window.arm if window else None,
+                        requests_running=window.requests_running if window else None,
+                        status=window.status if window else "not scraped yet",
                     )
                 )
             pools.append(
@@ -191,6 +212,9 @@ def build_router() -> APIRouter:
             arm = loop.arms.get(context) or service.fleet.running_arm(context)
             estimates = [_estimate(e) for e in service.policy.estimates(context)]
             changed = loop.changed_at.get(context)
+            share = loop.routes.get(context) if loop.is_leader and service.fleet.routing else None
+            if share is None and loop.is_leader and service.fleet.routing:
+                share = RouteShare()
             contexts.append(
                 ContextPolicyOut(
                     model=context.model,
@@ -202,6 +226,8 @@ def build_router() -> APIRouter:
                     override_id=pins[context].id if context in pins else None,
                     estimate=next((e for e in estimates if e.arm == arm), None),
                     estimates=estimates,
+                    routed_requests=share.requests if share is not None else None,
+                    explored_share=share.explored if share is not None else None,
                 )
             )
         return PolicyOut(frozen=loop.frozen, leader=loop.is_leader, contexts=contexts)
@@ -307,8 +333,7 @@ def build_router() -> APIRouter:
     async def set_frozen(service: Service, frozen: bool) -> FrozenOut:
         now = service.clock()
         await store_call(lambda: service.store.set_state(FROZEN_KEY, frozen, now))
-        service.loop.frozen = frozen
-        service.metrics.frozen.set(1 if frozen else 0)
+        service.loop.set_frozen(frozen)
         service.loop.wake()
         return FrozenOut(frozen=frozen)
 
@@ -393,6 +418,34 @@ def build_router() -> APIRouter:
     return v1
 
 
+def create_waiting_app(reason: Callable[[], str]) -> FastAPI:
+    """The API while the store cannot be reached at start and the gateway already serves
+    (``specpilot serve``): alive and not ready. ``/healthz`` says ok, since a liveness
+    probe must not restart a process whose data path works while its database is down;
+    ``/readyz`` says 503 with ``reason()`` (why the store is unreachable); every other
+    path 503 until the real API takes over the socket."""
+    app = FastAPI(title="specpilot (waiting for its store)", version="1", openapi_url=None)
+
+    @app.get("/healthz", response_model=HealthOut)
+    async def healthz() -> HealthOut:
+        return HealthOut(status="ok")
+
+    @app.get("/readyz", response_model=HealthOut, responses={503: {"model": HealthOut}})
+    async def readyz(response: Response) -> HealthOut:
+        response.status_code = 503
+        checks = {"store": f"unreachable: {reason()}", "loop": "not started"}
+        return HealthOut(status="not ready", checks=checks)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def waiting(path: str) -> Response:
+        body = ErrorOut(
+            detail=f"the store is unreachable ({reason()}); the API starts once it answers"
+        )
+        return Response(body.model_dump_json(), status_code=503, media_type="application/json")
+
+    return app
+
+
 def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -> FastAPI:
     """The API over ``service``; with ``run_loop`` its lifespan also runs the control
     loop (restore on start, clean shutdown — snapshot and flush — on stop)."""
@@ -440,12 +493,19 @@ def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -
         try:
             await run_in_threadpool(service.store.ping)
             checks["store"] = "ok"
+        except StoreLost as exc:
+            checks["store"] = f"lost: {exc}"
         except Exception as exc:
             checks["store"] = f"unreachable: {type(exc).__name__}"
         loop = service.loop
         checks["loop"] = "ok" if loop.last_tick_at is not None else "not started"
         checks["role"] = "leader" if loop.is_leader else "follower"
         ready = checks["store"] == "ok" and checks["loop"] == "ok"
+        if service.pod is not None:
+            # Per-pod topology: the pod serves through its vLLM; while that drains or
+            # restarts, a 503 takes the pod out of its Service.
+            checks["vllm"] = service.pod.readiness()
+            ready = ready and checks["vllm"] == "ok"
         if not ready:
             response.status_code = 503
         return HealthOut(status="ready" if ready else "not ready", checks=checks)

@@ -117,6 +117,8 @@ class ContextPolicyOut(BaseModel):
     workload_class: str = Field(serialization_alias="class")
     bucket: str
     arm: str
+    """The arm the context runs; in routing mode the arm the gateway sends its requests
+    to (the policy's committed arm, or an operator's pin), exploration aside."""
     actor: Literal["policy", "operator"]
     changed_at: float | None
     """When the arm last changed; null if it never did under specpilot."""
@@ -124,6 +126,12 @@ class ContextPolicyOut(BaseModel):
     estimate: EstimateOut | None
     """The policy's belief about the chosen arm."""
     estimates: list[EstimateOut]
+    routed_requests: int | None = None
+    """Routing mode, on the leader: the context's requests finished since its arm last
+    changed (or since this replica started leading); null otherwise."""
+    explored_share: float | None = None
+    """Of ``routed_requests``, the share the gateway served with another arm than
+    ``arm`` (exploration, probes, knee trials); null without requests."""
 
 
 class PolicyOut(BaseModel):
@@ -138,11 +146,20 @@ class FrozenOut(BaseModel):
 
 class InstanceOut(BaseModel):
     url: str
+    """The instance's base URL, a password in it (or user info without one) as ``***``;
+    in the per-pod topology with its pod's replica as the fragment (``#pod-a``)."""
     healthy: bool | None
     """From the newest window its metrics gave; null before the first."""
     last_window_at: float | None
     acceptance_rate: float | None
     mean_acceptance_length: float | None
+    """Tokens emitted per verify step in the newest window."""
+    arm: str | None = None
+    """The arm the instance ran in its newest window, as its metrics show it."""
+    requests_running: float | None = None
+    status: str | None = None
+    """One line on why its newest window was no evidence (stale, failing scrape,
+    restarted, idle); null when it was."""
 
 
 class PoolOut(BaseModel):

@@ -2,11 +2,12 @@
 
 Public API: :class:`Gateway` (the ASGI app), :class:`Fleet` / :class:`Pool` (where
 requests go), :class:`RoutingTable` / :class:`StaticRoutingTable` (what the control loop
-updates), :class:`Classifier`, :class:`ObservationSink`.
+updates), :class:`Classifier` / :class:`RequestKeys` (a request's class and model),
+:class:`ObservationSink`.
 """
 
 from controller.gateway.app import Gateway
-from controller.gateway.classify import Classifier, ConstantClassifier
+from controller.gateway.classify import Classifier, ConstantClassifier, RequestKeys, UnknownModel
 from controller.gateway.observe import ObservationSink, observation_from_response
 from controller.gateway.routing import (
     EjectionPolicy,
@@ -33,10 +34,12 @@ __all__ = [
     "NoInstanceAvailable",
     "ObservationSink",
     "Pool",
+    "RequestKeys",
     "RouteKey",
     "RoutingTable",
     "SseRelay",
     "StaticRoutingTable",
+    "UnknownModel",
     "UpstreamPool",
     "observation_from_response",
 ]

@@ -3,8 +3,27 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are classified, routed by the
 routing table, balanced least-in-flight inside the pool, retried on another instance
 while nothing has reached the client yet, relayed (SSE event by event) and observed.
-Every other path (``/v1/models`` included) is passed through to an instance of the
-default pool, since every pool serves the same models.
+``/v1/models`` and ``/health`` (and other methods on the completion paths) are passed
+through to an instance of the default pool, since every pool serves the same models.
+Any other path is answered 404 by the gateway itself: vLLM serves more (its
+``/metrics``, tokenizer and admin endpoints) that clients of the gateway have no
+business reaching.
+
+An attempt that fails before the client saw a byte (connection refused or timed out, a
+502/503/504) is retried on another instance and counts toward ejecting the instance; one
+that fails after the first byte ends the response unfinished (an SSE stream gets an
+``error`` event first, as vLLM sends one) and counts too. A client that leaves says
+nothing about the instance.
+
+An attempt with no answer within the first-byte timeout is *hedged*, not dropped: another
+attempt starts on another instance beside it and the first head to arrive wins (as
+Envoy's ``hedge_on_per_try_timeout``). Why: a timeout cannot tell a hung instance from a
+healthy one that is slow for a moment (a loaded machine stalls a process for a second
+now and then); abandoning the slow one could leave nothing but the hung one, and a
+well-behaved request a 503. The request gives up only when its newest attempt is
+overdue too and no other instance is left to try. An overdue attempt that lost the race
+without having sent a byte counts toward ejection (a hung instance is ejected as
+before); one that answered, however late, does not.
 
 :meth:`Gateway.handle` does that for one :class:`Request`, writing to a
 :class:`Response`. Two front ends call it: the gateway's own HTTP/1.1 server
@@ -27,17 +46,21 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
+from time import perf_counter
 from typing import Any, NamedTuple, Protocol
 
 import orjson
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from prometheus_client import CollectorRegistry
 
 from collectors.observations import RequestObservation
 from controller.gateway.classify import (
-    DEFAULT_CLASS,
     WORKLOAD_CLASS_HEADER,
     Classifier,
-    ConstantClassifier,
+    RequestKeys,
+    UnknownModel,
 )
+from controller.gateway.metrics import ABORTED, DISCONNECTED, NO_CLASS, NO_POOL, GatewayMetrics
 from controller.gateway.observe import ObservationSink, observation_from_response
 from controller.gateway.routing import (
     Clock,
@@ -49,11 +72,13 @@ from controller.gateway.routing import (
     StaticRoutingTable,
 )
 from controller.gateway.sse import SseRelay, json_object
+from controller.gateway.throttle import Throttled
 from controller.gateway.upstream import (
     ResponseHead,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
+    UpstreamTimeout,
     encode_request,
 )
 from policies.arms import ConcurrencyBuckets
@@ -134,6 +159,8 @@ logger = logging.getLogger(__name__)
 
 _DONE_EVENT = b"data: [DONE]\n\n"
 INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+SERVED_PATHS = INFERENCE_PATHS | {"/v1/models", "/health"}
+"""Paths the gateway passes upstream; any other is a 404 from the gateway."""
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes. Host and
 # content-length are set by the client library for the upstream request.
@@ -162,11 +189,63 @@ _RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class UpstreamFailed(Exception):
-    """An attempt failed before anything reached the client; another instance may serve."""
+    """An attempt failed before anything reached the client; another instance may serve.
+
+    ``local``: the gateway's own failure (out of file descriptors), not the instance's:
+    no other instance would fare better, and none is held to account for it."""
+
+    def __init__(self, message: str, *, local: bool = False) -> None:
+        super().__init__(message)
+        self.local = local
+
+
+class ResponseAborted(Exception):
+    """The response started and cannot be completed (its upstream failed mid-body).
+    The front end closes the client's connection without ending the body, so the client
+    sees it unfinished; the gateway has logged why."""
+
+
+class _Attempt:
+    """One try of a request on one instance, counted in flight until it is released."""
+
+    __slots__ = ("concurrency", "connection", "head", "instance", "outcome", "pool", "sent")
+
+    def __init__(self, pool: Pool, instance: Instance, concurrency: int) -> None:
+        self.pool = pool
+        self.instance = instance
+        self.concurrency = concurrency
+        """The pool's requests in flight with this one, when it started."""
+        self.connection: UpstreamConnection | None = None
+        self.head: ResponseHead | None = None
+        self.sent = 0.0
+        """When the request went upstream (``perf_counter``)."""
+        self.outcome = ""
+        """How it ended when it did not win (for the log of a request no instance served)."""
+
+    def answered(self) -> tuple[Pool, Instance, UpstreamConnection, ResponseHead]:
+        assert self.connection is not None and self.head is not None
+        return self.pool, self.instance, self.connection, self.head
+
+
+def _check_head(instance: Instance, connection: UpstreamConnection, head: ResponseHead) -> None:
+    """A 502/503/504 says the instance cannot serve now: the attempt failed."""
+    if head.status in _RETRY_STATUSES:
+        connection.close()
+        raise UpstreamFailed(f"{instance.display_url}: HTTP {head.status}")
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """Mark a raced attempt's outcome as seen: one cancelled after it failed must not be
+    logged as an exception nobody retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Gateway:
     """The ASGI app. ``sink`` receives one observation per request that completed.
+
+    ``classifier`` classifies a request that names no class; a :class:`RequestKeys`
+    (what ``serve`` passes) also bounds classes and models to the configured ones.
 
     ``fleet`` holds the pools and their clock (monotonic, drives ejection);
     ``wall_clock`` stamps ``finished_at``. A client disconnect cancels the upstream
@@ -184,15 +263,31 @@ class Gateway:
         upstreams: UpstreamPool | None = None,
         max_attempts: int = 3,
         wall_clock: Clock = time.time,
+        tracer: Tracer | None = None,
     ) -> None:
         self.fleet = fleet
         self.routing: RoutingTable = routing or StaticRoutingTable(fleet.default_pool)
-        self.classifier: Classifier = classifier or ConstantClassifier()
+        self.keys = (
+            classifier
+            if isinstance(classifier, RequestKeys)
+            else RequestKeys(classifier=classifier)
+        )
         self.sink = sink
         self.buckets = buckets or ConcurrencyBuckets()
         self.upstreams = upstreams or UpstreamPool()
         self.max_attempts = max_attempts
         self._wall_clock = wall_clock
+        self.metrics: GatewayMetrics | None = None
+        """Set with :meth:`count_on`; None counts nothing."""
+        self.tracer = tracer
+        """None (tracing off, ``controller.tracing``): no span code runs at all."""
+        self._troubles: dict[tuple[str, str], Throttled] = {}
+
+    def count_on(self, registry: CollectorRegistry) -> GatewayMetrics:
+        """Count requests, retries, ejections, in-flight and added latency on ``registry``
+        (``serve`` passes the API's)."""
+        self.metrics = GatewayMetrics(registry, self.fleet, self.keys.classes)
+        return self.metrics
 
     def aclose(self) -> None:
         self.upstreams.close()
@@ -243,44 +338,82 @@ class Gateway:
                 raise
             # The client left: the upstream response was closed on the way out.
             task.uncancel()
+        except ResponseAborted:
+            pass  # returning mid-response makes the ASGI server close the connection
         finally:
             watcher.cancel()
 
     async def handle(self, request: Request, response: Response) -> None:
         """Serve one request. The caller cancels this when the client goes away; the
         upstream connection is then closed on the way out, which makes vLLM abort."""
-        if request.method == "POST" and request.path in INFERENCE_PATHS:
-            await self._inference(request, response)
-        else:
+        path = request.path
+        if request.method == "POST" and path in INFERENCE_PATHS:
+            tracer = self.tracer
+            if tracer is None:
+                await self._inference(request, response, None)
+            else:
+                await self._traced_inference(tracer, request, response)
+        elif path in SERVED_PATHS:
             await self._passthrough(request, request.body, response)
+        else:
+            await _send_error(response, 404, f"no such path: {path}", "NotFoundError")
+            if self.metrics is not None:
+                self.metrics.request(NO_POOL, NO_POOL, NO_CLASS, 404)
 
     async def _passthrough(self, request: Request, body: bytes, response: Response) -> None:
         headers = _forward_headers(request.headers)
-        target = self.fleet.default_pool
-        tried: list[Instance] = []
-        for _ in range(self.max_attempts):
-            try:
-                pool, instance = self.fleet.pick(target, tried)
-            except NoInstanceAvailable:
-                break
-            self.fleet.acquire(pool, instance)
-            ok = True
-            try:
-                connection, head = await self._open(request, instance, headers, body)
-                try:
-                    await _relay_whole(response, connection, head, parse=False)
-                finally:
-                    self.upstreams.release(instance.host, instance.port, connection)
+        metrics = self.metrics
+        status: int | str = DISCONNECTED
+        pool_name = arm = NO_POOL
+        try:
+            attempt = await self._first_answer(
+                request, self.fleet.default_pool, headers, body, None, ""
+            )
+            if attempt is None:
+                await _send_unavailable(response)
+                status = 503
                 return
-            except UpstreamFailed as exc:
-                ok = False
-                tried.append(instance)
-                _log_failure(pool, instance, exc)
+            pool, instance, connection, head = attempt.answered()
+            pool_name, arm = pool.name, pool.arm
+            ok: bool | None = None  # no verdict on the instance when the client leaves
+            try:
+                await _relay_whole(response, connection, head, parse=False)
+                ok = True
+            except UpstreamError as exc:
+                ok, status = False, ABORTED
+                raise self._aborted(pool, instance, exc) from exc
             finally:
+                self.upstreams.release(instance.host, instance.port, connection)
                 self.fleet.release(pool, instance, ok=ok)
-        await _send_unavailable(response)
+            status = head.status
+        finally:
+            if metrics is not None:
+                metrics.request(pool_name, arm, NO_CLASS, status)
 
-    async def _inference(self, request: Request, response: Response) -> None:
+    async def _traced_inference(self, tracer: Tracer, request: Request, response: Response) -> None:
+        """``_inference`` inside a span (GenAI semantic conventions, plus ``specpilot.*``)."""
+        operation = "chat" if request.path == "/v1/chat/completions" else "text_completion"
+        span = tracer.start_span(
+            operation,
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.provider.name": "vllm",
+                "http.request.method": request.method,
+                "url.path": request.path,
+            },
+        )
+        try:
+            await self._inference(request, response, span)
+        except BaseException as exc:
+            span.set_attribute("error.type", type(exc).__qualname__)
+            span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+            raise
+        finally:
+            span.end()
+
+    async def _inference(self, request: Request, response: Response, span: Span | None) -> None:
+        received = perf_counter()
         started = self._wall_clock()
         raw_body = request.body
         try:
@@ -291,10 +424,21 @@ class Gateway:
             # Not ours to judge: the upstream answers malformed requests itself.
             await self._passthrough(request, raw_body, response)
             return
-        model = body.get("model")
-        model = model if isinstance(model, str) else None
-        workload_class = self._classify(request.headers, body)
+        keys = self.keys
+        try:
+            model = keys.model(body)
+        except UnknownModel as exc:
+            # Refused before the routing table (and the policy) sees the name.
+            await _send_error(response, 404, str(exc), "NotFoundError", param="model")
+            if self.metrics is not None:
+                self.metrics.request(NO_POOL, NO_POOL, NO_CLASS, 404)
+            if span is not None:
+                _span_refused(span, 404, "NotFoundError")
+            return
+        workload_class = keys.workload_class(_class_header(request.headers), body, request.headers)
         streaming = body.get("stream") is True
+        if span is not None:
+            _span_request(span, body, model, workload_class, streaming)
         strip_usage = False
         upstream_body = raw_body
         if streaming:
@@ -304,63 +448,232 @@ class Gateway:
                 strip_usage = True
 
         fleet = self.fleet
+        metrics = self.metrics
         bucket = self.buckets.bucket(fleet.begin(model))
+        status: int | str = DISCONNECTED
+        served = arm = NO_POOL  # labels: the pool that answered, and its arm
         try:
-            pool_name = self.routing.pool_for(model, workload_class, bucket)
+            pool_name = served = self.routing.pool_for(model, workload_class, bucket)
             headers = _forward_headers(request.headers)
-            tried: list[Instance] = []
-            for _ in range(self.max_attempts):
-                try:
-                    pool, instance = fleet.pick(pool_name, tried)
-                except NoInstanceAvailable:
-                    break
-                concurrency = fleet.acquire(pool, instance)
-                ok = True
-                try:
-                    connection, head = await self._open(request, instance, headers, upstream_body)
-                    try:
-                        if streaming:
-                            document = await _relay_stream(response, connection, head, strip_usage)
-                        else:
-                            document = await _relay_whole(response, connection, head, parse=True)
-                    finally:
-                        self.upstreams.release(instance.host, instance.port, connection)
-                except UpstreamFailed as exc:
-                    ok = False
-                    tried.append(instance)
-                    _log_failure(pool, instance, exc)
-                    continue
-                except UpstreamError:
-                    # Broken after the first byte reached the client: too late to retry.
-                    ok = False
-                    raise
-                finally:
-                    fleet.release(pool, instance, ok=ok)
-                if self.sink is not None and head.status == 200:
-                    self._observe(document, model, workload_class, pool, concurrency, started)
+            attempt = await self._first_answer(
+                request, pool_name, headers, upstream_body, span, bucket
+            )
+            if attempt is None:
+                await _send_unavailable(response)
+                status = 503
+                if span is not None:
+                    _span_refused(span, 503, "NoInstanceAvailable")
                 return
-            await _send_unavailable(response)
+            pool, instance, connection, head = attempt.answered()
+            served, arm = pool.name, pool.arm
+            ok: bool | None = None  # no verdict on the instance when the client leaves
+            try:
+                if streaming:
+                    document, tail = await _relay_stream(response, connection, head, strip_usage)
+                else:
+                    document, tail = await _relay_whole(response, connection, head, parse=True)
+                ok = True
+            except UpstreamError as exc:
+                # Broken after the first byte reached the client: too late to retry.
+                ok, status = False, ABORTED
+                raise self._aborted(pool, instance, exc) from exc
+            finally:
+                self.upstreams.release(instance.host, instance.port, connection)
+                fleet.release(pool, instance, ok=ok)
+            status = head.status
+            if metrics is not None:
+                metrics.added_latency.observe(attempt.sent - received + tail)
+            if span is not None:
+                span.set_attribute("http.response.status_code", head.status)
+                if head.status >= 400:
+                    _span_refused(span, head.status, str(head.status))
+            if (self.sink is not None or span is not None) and head.status == 200:
+                self._observe(
+                    document, model, workload_class, pool, attempt.concurrency, started, span
+                )
         finally:
             fleet.end(model)
+            if metrics is not None:
+                if not arm and served in fleet.pools:
+                    arm = fleet.pools[served].arm
+                metrics.request(served, arm, workload_class, status)
 
-    def _classify(self, raw_headers: Headers, body: dict[str, Any]) -> str:
-        for name, value in raw_headers:
-            if name == WORKLOAD_CLASS_HEADER and value.strip():
-                return value.decode("latin-1").strip()
-        classifier = self.classifier
-        if type(classifier) is ConstantClassifier:
-            return classifier.workload_class  # no need to decode the headers for it
+    async def _first_answer(
+        self,
+        request: Request,
+        pool_name: str,
+        headers: Headers,
+        body: bytes,
+        span: Span | None,
+        bucket: str,
+    ) -> _Attempt | None:
+        """The attempt whose response head came first, still counted in flight (the
+        caller relays it and releases it); None when no instance could answer (logged,
+        at most once per ``LOG_EVERY_S`` per pool, with what each attempt came to)."""
+        attempts: list[_Attempt] = []
+        winner = await self._race(request, pool_name, headers, body, span, bucket, attempts)
+        if winner is None:
+            key = (pool_name, "")
+            throttled = self._troubles.get(key)
+            if throttled is None:
+                throttled = self._troubles[key] = Throttled(logger)
+            throttled.warning(
+                "pool %s: a request got 503, no instance answered it (%s)",
+                pool_name,
+                "; ".join(f"{a.instance.display_url}: {a.outcome}" for a in attempts)
+                or "no instance to try",
+            )
+        return winner
+
+    async def _race(
+        self,
+        request: Request,
+        pool_name: str,
+        headers: Headers,
+        body: bytes,
+        span: Span | None,
+        bucket: str,
+        attempts: list[_Attempt],
+    ) -> _Attempt | None:
+        """:meth:`_first_answer`'s work; every attempt started is added to ``attempts``.
+
+        Attempts go one at a time while they fail outright (the common case is one
+        attempt, answered, waited on inline without a task). An attempt that is overdue
+        (no byte within the first-byte timeout) stays open while the next one starts
+        beside it; the first head of any wins and the others are closed (which makes
+        vLLM abort them). The request gives up when every attempt still open is overdue
+        and no further one can start (``max_attempts``, or no instance left)."""
+        tried: list[Instance] = []
+        open_: dict[asyncio.Task[None], _Attempt] = {}
+        late: set[asyncio.Task[None]] = set()
+        """Tasks waiting on an overdue attempt, past its deadline."""
+        winner: _Attempt | None = None
         try:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
-            return self.classifier(headers, body)
-        except Exception:
-            logger.exception("classifier failed; using the default class")
-            return DEFAULT_CLASS
+            while True:
+                if len(late) == len(open_):
+                    attempt = self._next_attempt(pool_name, tried, span, bucket)
+                    if attempt is not None:
+                        attempts.append(attempt)
+                    if attempt is not None and not open_:
+                        try:
+                            await self._open(request, attempt, headers, body)
+                        except UpstreamFailed as exc:
+                            self._failed(attempt, exc)
+                            if exc.local:
+                                return None
+                            continue
+                        except BaseException:
+                            self._drop(attempt)
+                            raise
+                        if attempt.head is not None:
+                            winner = attempt
+                            return winner
+                        self._watch_late(attempt, open_, late)
+                        continue
+                    if attempt is not None:
+                        task = asyncio.create_task(self._open(request, attempt, headers, body))
+                        task.add_done_callback(_retrieved)
+                        open_[task] = attempt
+                    elif len(late) == len(open_):
+                        return None  # every open attempt overdue, none left to start
+                done, _ = await asyncio.wait(open_, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    attempt = open_.pop(task)
+                    late.discard(task)
+                    error = task.exception()
+                    if isinstance(error, UpstreamFailed):
+                        self._failed(attempt, error)
+                        if error.local:
+                            return None
+                    elif error is not None:
+                        self._drop(attempt)
+                        raise error
+                    elif attempt.head is not None and winner is None:
+                        winner = attempt
+                    elif attempt.head is not None:
+                        self._drop(attempt)  # answered in the same turn as the winner
+                    else:
+                        self._watch_late(attempt, open_, late)
+                if winner is not None:
+                    return winner
+        finally:
+            for task, attempt in open_.items():
+                task.cancel()
+                self._drop(attempt)
+
+    def _next_attempt(
+        self, pool_name: str, tried: list[Instance], span: Span | None, bucket: str
+    ) -> _Attempt | None:
+        """A new attempt on the least-loaded instance not tried yet, counted in flight;
+        None when ``max_attempts`` are spent or no instance is left."""
+        if len(tried) >= self.max_attempts:
+            return None
+        fleet = self.fleet
+        try:
+            pool, instance = fleet.pick(pool_name, tried)
+        except NoInstanceAvailable:
+            return None
+        if tried and self.metrics is not None:
+            self.metrics.retry(pool.name)
+        tried.append(instance)
+        concurrency = fleet.acquire(pool, instance)
+        if span is not None:
+            _span_attempt(span, pool, instance, concurrency, bucket, len(tried))
+        return _Attempt(pool, instance, concurrency)
+
+    def _watch_late(
+        self,
+        attempt: _Attempt,
+        open_: dict[asyncio.Task[None], _Attempt],
+        late: set[asyncio.Task[None]],
+    ) -> None:
+        """Keep waiting on an overdue attempt (a slow instance may still answer)."""
+        task = asyncio.create_task(self._late_head(attempt))
+        task.add_done_callback(_retrieved)
+        open_[task] = attempt
+        late.add(task)
+
+    def _failed(self, attempt: _Attempt, error: UpstreamFailed) -> None:
+        """An attempt that failed outright: closed, and held against its instance unless
+        the failure was the gateway's own."""
+        attempt.outcome = f"{'failed here' if error.local else 'failed'}: {error}"
+        if attempt.connection is not None:
+            attempt.connection.close()
+            self.upstreams.release(attempt.instance.host, attempt.instance.port, attempt.connection)
+        self.fleet.release(attempt.pool, attempt.instance, ok=None if error.local else False)
+        if not error.local:
+            self._log_failure(attempt.pool, attempt.instance, error)
+
+    def _drop(self, attempt: _Attempt) -> None:
+        """Close an attempt that did not win (or whose request went away). Overdue with
+        not a byte received: that counts toward ejecting its instance (a hung instance
+        answers nothing, ever); anything else says nothing about it."""
+        connection = attempt.connection
+        ok: bool | None = None
+        attempt.outcome = "closed unanswered"
+        if connection is not None:
+            if connection.overdue is not None:
+                attempt.outcome = connection.overdue
+            if connection.overdue is not None and not connection.received_any:
+                ok = False
+                self._trouble(attempt.pool, attempt.instance).warning(
+                    "pool %s: %s failed (%s; it was tried elsewhere meanwhile); the failure "
+                    "counts toward ejection",
+                    attempt.pool.name,
+                    attempt.instance.display_url,
+                    connection.overdue,
+                )
+            connection.close()
+            self.upstreams.release(attempt.instance.host, attempt.instance.port, connection)
+        self.fleet.release(attempt.pool, attempt.instance, ok=ok)
 
     async def _open(
-        self, request: Request, instance: Instance, headers: Headers, body: bytes
-    ) -> tuple[UpstreamConnection, ResponseHead]:
-        """Send the request to ``instance`` and wait for the response head.
+        self, request: Request, attempt: _Attempt, headers: Headers, body: bytes
+    ) -> None:
+        """Send the request to the attempt's instance and wait for the response head
+        (``attempt.head``), or until it is overdue (``attempt.head`` None, the
+        connection left open). Sets ``attempt.connection`` and ``attempt.sent`` (when
+        it was sent, ``perf_counter``).
 
         Raises :class:`UpstreamFailed` when the instance could not serve (connection
         failure or a 502/503/504), which is always before the client saw a byte. A pooled
@@ -368,6 +681,7 @@ class Gateway:
         upstream while idle: that is retried once on a fresh connection, not held against
         the instance.
         """
+        instance = attempt.instance
         encoded = encode_request(
             request.method, request.target, instance.host_header, headers, body
         )
@@ -376,22 +690,65 @@ class Gateway:
             try:
                 connection, reused = await upstreams.connect(instance.host, instance.port)
             except UpstreamError as exc:
-                raise UpstreamFailed(str(exc)) from exc
+                raise UpstreamFailed(str(exc), local=exc.local) from exc
+            attempt.connection = connection
             try:
                 connection.send(encoded)
-                head = await connection.head()
+                attempt.sent = perf_counter()
+                head = await connection.answer()
             except UpstreamError as exc:
                 connection.close()
-                if reused and not connection.received_any:
+                if reused and not connection.received_any and not isinstance(exc, UpstreamTimeout):
                     continue
-                raise UpstreamFailed(f"{instance.base_url}: {exc}") from exc
+                raise UpstreamFailed(f"{instance.display_url}: {exc}") from exc
             except BaseException:
                 connection.close()
                 raise
-            if head.status in _RETRY_STATUSES:
-                connection.close()
-                raise UpstreamFailed(f"{instance.base_url}: HTTP {head.status}")
-            return connection, head
+            if head is not None:
+                _check_head(instance, connection, head)
+                attempt.head = head
+            return
+
+    async def _late_head(self, attempt: _Attempt) -> None:
+        """Wait on an overdue attempt until its head comes (``attempt.head``) or it fails."""
+        connection = attempt.connection
+        assert connection is not None
+        try:
+            head = await connection.answer(past_due=True)
+        except UpstreamError as exc:
+            connection.close()
+            raise UpstreamFailed(f"{attempt.instance.display_url}: {exc}") from exc
+        assert head is not None
+        _check_head(attempt.instance, connection, head)
+        attempt.head = head
+
+    def _trouble(self, pool: Pool, instance: Instance) -> Throttled:
+        """The instance's failures are logged at most once per ``LOG_EVERY_S``: a hung
+        instance fails every request sent to it before it is ejected."""
+        key = (pool.name, instance.display_url)
+        throttled = self._troubles.get(key)
+        if throttled is None:
+            throttled = self._troubles[key] = Throttled(logger)
+        return throttled
+
+    def _log_failure(self, pool: Pool, instance: Instance, error: UpstreamFailed) -> None:
+        """An attempt failed before the client saw a byte (it is retried elsewhere)."""
+        self._trouble(pool, instance).warning(
+            "pool %s: %s failed (%s); retrying elsewhere, the failure counts toward ejection",
+            pool.name,
+            instance.display_url,
+            error,
+        )
+
+    def _aborted(self, pool: Pool, instance: Instance, error: UpstreamError) -> ResponseAborted:
+        self._trouble(pool, instance).warning(
+            "pool %s: %s failed mid-response (%s); the client's response ends unfinished, "
+            "the failure counts toward ejection",
+            pool.name,
+            instance.display_url,
+            error,
+        )
+        return ResponseAborted(str(error))
 
     def _observe(
         self,
@@ -401,8 +758,8 @@ class Gateway:
         pool: Pool,
         concurrency: int,
         started: float,
+        span: Span | None = None,
     ) -> None:
-        assert self.sink is not None
         try:
             parsed = json_object(document) if document is not None else None
             if parsed is not None:
@@ -419,19 +776,86 @@ class Gateway:
                 finished_at=(finished := self._wall_clock()),
                 e2e_s=finished - started,
             )
-            self.sink(observation)
+            if span is not None:
+                _span_observed(span, observation)
+            if self.sink is not None:
+                self.sink(observation)
         except Exception:
             logger.exception("observation sink failed")
 
 
-def _log_failure(pool: Pool, instance: Instance, error: UpstreamFailed) -> None:
-    """An attempt failed before the client saw a byte (it is retried elsewhere)."""
-    logger.warning(
-        "pool %s: %s failed (%s); retrying elsewhere, the failure counts toward ejection",
-        pool.name,
-        instance.base_url,
-        error,
+def _span_request(
+    span: Span, body: dict[str, Any], model: str | None, workload_class: str, streaming: bool
+) -> None:
+    operation = "chat" if "messages" in body else "text_completion"
+    if model is not None:
+        span.update_name(f"{operation} {model}")
+        span.set_attribute("gen_ai.request.model", model)
+    span.set_attribute("specpilot.workload_class", workload_class)
+    span.set_attribute("specpilot.stream", streaming)
+    for key, attribute in _REQUEST_ATTRIBUTES:
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            span.set_attribute(attribute, value)
+
+
+_REQUEST_ATTRIBUTES = (
+    ("max_tokens", "gen_ai.request.max_tokens"),
+    ("max_completion_tokens", "gen_ai.request.max_tokens"),
+    ("temperature", "gen_ai.request.temperature"),
+    ("top_p", "gen_ai.request.top_p"),
+    ("seed", "gen_ai.request.seed"),
+)
+
+
+def _span_attempt(
+    span: Span, pool: Pool, instance: Instance, concurrency: int, bucket: str, attempt: int
+) -> None:
+    span.set_attributes(
+        {
+            "server.address": instance.host,
+            "server.port": instance.port,
+            "specpilot.pool": pool.name,
+            "specpilot.arm": pool.arm or "unknown",
+            "specpilot.concurrency": concurrency,
+            "specpilot.bucket": bucket,
+            "specpilot.attempts": attempt,
+        }
     )
+
+
+def _span_refused(span: Span, status: int, error_type: str) -> None:
+    span.set_attribute("http.response.status_code", status)
+    span.set_attribute("error.type", error_type)
+    span.set_status(Status(StatusCode.ERROR))
+
+
+def _span_observed(span: Span, observation: RequestObservation) -> None:
+    """What vLLM measured for the request, as GenAI attributes (seconds, tokens)."""
+    attributes: dict[str, str | int | float] = {}
+    if observation.model is not None:
+        attributes["gen_ai.response.model"] = observation.model
+    if observation.prompt_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = observation.prompt_tokens
+    if observation.output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = observation.output_tokens
+    if observation.ttft_s is not None:
+        attributes["gen_ai.server.time_to_first_token"] = observation.ttft_s
+    if (tpot := observation.tpot_s) is not None:
+        attributes["gen_ai.server.time_per_output_token"] = tpot
+    if observation.e2e_s is not None:
+        attributes["gen_ai.server.request.duration"] = observation.e2e_s
+    spec = observation.spec
+    if spec is not None:
+        if (rate := spec.acceptance_rate) is not None:
+            attributes["specpilot.spec_decode.acceptance_rate"] = rate
+        if (length := spec.mean_acceptance_length) is not None:
+            attributes["specpilot.spec_decode.mean_acceptance_length"] = length
+        if spec.num_draft_tokens is not None:
+            attributes["specpilot.spec_decode.draft_tokens"] = spec.num_draft_tokens
+        if spec.num_accepted_tokens is not None:
+            attributes["specpilot.spec_decode.accepted_tokens"] = spec.num_accepted_tokens
+    span.set_attributes(attributes)
 
 
 # Asks for the usage chunk (per-request metrics ride on it) without turning on
@@ -531,13 +955,15 @@ class _StreamForwarder:
     :meth:`forward_raw` for a token event that goes through untouched, framing and all.
     """
 
-    __slots__ = ("_connection", "_direct", "_last", "relay")
+    __slots__ = ("_connection", "_direct", "_last", "relay", "tail_s")
 
     def __init__(self, strip_usage: bool) -> None:
         self.relay = SseRelay(strip_usage=strip_usage)
         self._last = b""
         self._direct: DirectResponse | None = None
         self._connection: UpstreamConnection | None = None
+        self.tail_s = 0.0
+        """From the upstream body's end to the client's (set by :meth:`complete`)."""
 
     def feed(self, chunk: bytes) -> bytes:
         out = self.relay.feed(chunk)
@@ -577,8 +1003,10 @@ class _StreamForwarder:
         end): end the client's response now, in one write, from the read callback (the
         end of the stream is on the critical path of every request)."""
         assert self._direct is not None
+        ended = perf_counter()
         out = self.feed(last) if last else b""
         self._direct.end_now(out + self.finish())
+        self.tail_s = perf_counter() - ended
 
     def _hold_upstream(self) -> None:
         # The client's socket buffer is full: stop reading the upstream until it drains.
@@ -589,48 +1017,81 @@ class _StreamForwarder:
 
 async def _relay_stream(
     response: Response, connection: UpstreamConnection, head: ResponseHead, strip_usage: bool
-) -> bytes | None:
-    """Forward an SSE body event by event; returns the usage chunk's JSON when one came."""
+) -> tuple[bytes | None, float]:
+    """Forward an SSE body event by event; returns the usage chunk's JSON when one came,
+    and the seconds from the upstream body's end to the client's."""
     if not _content_type(head).startswith(b"text/event-stream"):
         return await _relay_whole(response, connection, head, parse=True)
     forwarder = _StreamForwarder(strip_usage)
     await _send_start(response, head, keep_length=False)
-    if isinstance(response, DirectResponse):
-        forwarder.attach(response, connection)
-        raw = forwarder.forward_raw if response.chunked else None
-        await connection.pipe(forwarder.forward, raw, forwarder.complete)
-    else:
-        while (chunk := await connection.chunk()) is not None:
-            out = forwarder.feed(chunk)
-            if out:
-                await response.write(out)
+    direct = False
+    try:
+        if isinstance(response, DirectResponse):
+            direct = True
+            forwarder.attach(response, connection)
+            raw = forwarder.forward_raw if response.chunked else None
+            await connection.pipe(forwarder.forward, raw, forwarder.complete)
+        else:
+            while (chunk := await connection.chunk()) is not None:
+                out = forwarder.feed(chunk)
+                if out:
+                    await response.write(out)
+    except UpstreamError as exc:
+        # What vLLM itself sends when a stream fails: OpenAI's clients raise it as an
+        # error rather than take the stream for a short, complete answer.
+        await response.write(_error_event(f"the upstream failed mid-stream: {exc}"))
+        raise
+    ended = perf_counter()
     await response.end(forwarder.finish())
-    return forwarder.relay.usage_data
+    # Direct: the client's response ended in the read callback (``complete``).
+    tail = forwarder.tail_s if direct else perf_counter() - ended
+    return forwarder.relay.usage_data, tail
+
+
+def _error_event(message: str) -> bytes:
+    error = {"error": {"message": message, "type": "BadGateway", "code": 502}}
+    return b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 async def _relay_whole(
     response: Response, connection: UpstreamConnection, head: ResponseHead, *, parse: bool
-) -> bytes | None:
+) -> tuple[bytes | None, float]:
     """Forward a body unchanged; with ``parse``, also return it (a 200's) for the
-    observation, which decodes it after the client has its response."""
+    observation, which decodes it after the client has its response. Also returns the
+    seconds from the upstream body's end to the client's."""
     await _send_start(response, head, keep_length=True)
     parts: list[bytes] = []
     while (chunk := await connection.chunk()) is not None:
         if parse:
             parts.append(chunk)
         await response.write(chunk)
+    ended = perf_counter()
     await response.end(b"")
+    tail = perf_counter() - ended
     if not parse or head.status != 200:
-        return None
-    return b"".join(parts)
+        return None, tail
+    return b"".join(parts), tail
+
+
+def _class_header(headers: Headers) -> str | None:
+    for name, value in headers:
+        if name == WORKLOAD_CLASS_HEADER and value.strip():
+            return value.decode("latin-1")
+    return None
 
 
 async def _send_unavailable(response: Response) -> None:
-    body = json.dumps(
-        {"error": {"message": "no upstream instance available", "type": "ServiceUnavailable"}}
-    ).encode()
+    await _send_error(response, 503, "no upstream instance available", "ServiceUnavailable")
+
+
+async def _send_error(
+    response: Response, status: int, message: str, kind: str, param: str | None = None
+) -> None:
+    """An error answered by the gateway itself, shaped as vLLM's (OpenAI's) errors."""
+    error: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": status}
+    body = json.dumps({"error": error}).encode()
     await response.start(
-        503,
+        status,
         [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
     )
     await response.end(body)

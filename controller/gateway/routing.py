@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from controller.urls import host_header, instance_url_problem, redact_url
+
 Clock = Callable[[], float]
 """Seconds, monotonic; injected so ejection cool-downs are testable."""
 
@@ -84,11 +86,15 @@ class EjectionPolicy:
 
 
 class Instance:
-    """One vLLM server: its base URL and the gateway's live counters for it."""
+    """One vLLM server: its base URL and the gateway's live counters for it.
+
+    ``display_url`` is the URL as logs may show it (user info redacted); the ``Host``
+    header never carries the user info."""
 
     __slots__ = (
         "base_url",
         "consecutive_failures",
+        "display_url",
         "ejected_until",
         "ejections",
         "host",
@@ -99,12 +105,15 @@ class Instance:
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
+        self.display_url = redact_url(self.base_url)
+        problem = instance_url_problem(self.base_url)
+        if problem is not None:
+            raise ValueError(f"instance {self.display_url!r}: {problem}")
         parts = urlsplit(self.base_url)
-        if parts.scheme != "http" or not parts.hostname or parts.path:
-            raise ValueError(f"an instance is http://HOST[:PORT] without a path: {base_url!r}")
+        assert parts.hostname is not None
         self.host = parts.hostname
         self.port = parts.port or 80
-        self.host_header = parts.netloc.encode("latin-1")
+        self.host_header = host_header(self.base_url)
         self.in_flight = 0
         self.consecutive_failures = 0
         self.ejected_until = 0.0
@@ -114,32 +123,47 @@ class Instance:
         return now >= self.ejected_until
 
     def __repr__(self) -> str:
-        return f"Instance({self.base_url!r}, in_flight={self.in_flight})"
+        return f"Instance({self.display_url!r}, in_flight={self.in_flight})"
 
 
 class Pool:
-    """Instances that run one speculative config, the ``arm`` observations are tagged with."""
+    """Instances that run one speculative config, the ``arm`` observations are tagged with.
 
-    __slots__ = ("arm", "in_flight", "instances", "name")
+    ``model``: the model its instances serve, where known (``serve`` knows it from the
+    settings): a request its own pool cannot serve may go to another pool of the model."""
 
-    def __init__(self, name: str, arm: str, base_urls: Sequence[str]) -> None:
+    __slots__ = ("arm", "ejections", "in_flight", "instances", "model", "name")
+
+    def __init__(
+        self, name: str, arm: str, base_urls: Sequence[str], *, model: str | None = None
+    ) -> None:
         if not base_urls:
             raise ValueError(f"pool {name!r} has no instances")
         self.name = name
         self.arm = arm
+        self.model = model
         self.instances = tuple(Instance(url) for url in base_urls)
         self.in_flight = 0
+        self.ejections = 0
+        """Times one of its instances was ejected (a running total, for metrics)."""
 
     @classmethod
-    def empty(cls, name: str, arm: str) -> Pool:
+    def empty(cls, name: str, arm: str, *, model: str | None = None) -> Pool:
         """A pool with no instance yet (a managed pool before its first start); its
         requests go to the fleet's default pool until :meth:`Fleet.set_instances`."""
-        pool = cls(name, arm, ["http://placeholder"])
+        pool = cls(name, arm, ["http://placeholder"], model=model)
         pool.instances = ()
         return pool
 
     def __repr__(self) -> str:
         return f"Pool({self.name!r}, arm={self.arm!r}, instances={list(self.instances)})"
+
+
+class InFlightShare(Protocol):
+    """In-flight counts shared by the processes that serve one gateway: told this
+    process's count of a key (``model:NAME``, ``pool:NAME``), answers the total."""
+
+    def count(self, key: str, local: int) -> int: ...
 
 
 class NoInstanceAvailable(RuntimeError):
@@ -151,7 +175,10 @@ class Fleet:
 
     The gateway calls :meth:`acquire` before an attempt and exactly one of
     :meth:`release` (with ``ok``) after it. In-flight counts are kept per instance, per
-    pool and per model (the concurrency the routing bucket is computed from).
+    pool and per model (the concurrency the routing bucket is computed from). With
+    ``shared`` (a gateway in several worker processes) the counts of a model and of a
+    pool that :meth:`begin` and :meth:`acquire` return are every worker's together;
+    balancing and ejection stay each worker's own.
     """
 
     def __init__(
@@ -173,6 +200,7 @@ class Fleet:
         self.ejection = ejection or EjectionPolicy()
         self._clock = clock
         self._model_in_flight: dict[str | None, int] = {}
+        self.shared: InFlightShare | None = None
 
     def set_instances(self, pool_name: str, base_urls: Sequence[str], arm: str) -> None:
         """Swap a pool's instances and arm at once (a managed pool moved to a new
@@ -191,7 +219,8 @@ class Fleet:
         """Count a request for ``model`` as in flight; returns the count, itself included."""
         count = self._model_in_flight.get(model, 0) + 1
         self._model_in_flight[model] = count
-        return count
+        shared = self.shared
+        return count if shared is None else shared.count(f"model:{model}", count)
 
     def end(self, model: str | None) -> None:
         count = self._model_in_flight.get(model, 0) - 1
@@ -199,13 +228,18 @@ class Fleet:
             self._model_in_flight[model] = count
         else:
             self._model_in_flight.pop(model, None)
+        if self.shared is not None:
+            self.shared.count(f"model:{model}", max(count, 0))
 
     def pick(self, pool_name: str, exclude: Sequence[Instance] = ()) -> tuple[Pool, Instance]:
         """The least-loaded available instance of ``pool_name`` not in ``exclude``.
 
         An unknown pool name, or a pool with no usable instance, falls back to the default
-        pool: a stale routing decision must degrade service, not break it. Ties go to the
-        first instance in configuration order, which keeps the choice deterministic.
+        pool, then to the other pools of the same model (where pools know their model),
+        in configuration order: a stale routing decision or a pool of one instance that
+        is slow for a moment must degrade service (another speculative config serves the
+        same model, with the same output), not break it. Ties go to the first instance
+        in configuration order, which keeps the choice deterministic.
 
         When every instance of both is ejected (a pool of one instance that failed once,
         say), the one whose cool-down ends first is tried anyway, as Envoy's panic
@@ -217,6 +251,12 @@ class Fleet:
         candidates = [pool]
         if pool.name != self.default_pool:
             candidates.append(self.pools[self.default_pool])
+        if pool.model is not None:
+            candidates += [
+                other
+                for other in self.pools.values()
+                if other.model == pool.model and other not in candidates
+            ]
         for candidate in candidates:
             best = self._least_loaded(candidate, now, exclude)
             if best is not None:
@@ -241,12 +281,20 @@ class Fleet:
         """Count an attempt as in flight; returns the pool's in-flight count, itself included."""
         instance.in_flight += 1
         pool.in_flight += 1
-        return pool.in_flight
+        shared = self.shared
+        return (
+            pool.in_flight if shared is None else shared.count(f"pool:{pool.name}", pool.in_flight)
+        )
 
-    def release(self, pool: Pool, instance: Instance, *, ok: bool) -> None:
-        """End an attempt; a failure counts toward ejecting the instance."""
+    def release(self, pool: Pool, instance: Instance, *, ok: bool | None) -> None:
+        """End an attempt; a failure counts toward ejecting the instance, a success
+        clears its record, and None (the client left first) does neither."""
         instance.in_flight -= 1
         pool.in_flight -= 1
+        if self.shared is not None:
+            self.shared.count(f"pool:{pool.name}", pool.in_flight)
+        if ok is None:
+            return
         if ok:
             instance.consecutive_failures = 0
             instance.ejections = 0
@@ -258,3 +306,4 @@ class Fleet:
             instance.ejected_until = self._clock() + cooldown
             instance.ejections += 1
             instance.consecutive_failures = 0
+            pool.ejections += 1

@@ -9,12 +9,29 @@ arrive, with the response parsed by ``httptools`` (C, the parser uvicorn uses).
 
 Back-pressure: when the client reading the stream falls behind, the connection stops
 reading from the upstream socket above ``_HIGH_WATER`` buffered bytes.
+
+Timeouts (:class:`UpstreamTimeouts`, the ``gateway.upstream_timeouts`` settings): a
+connection must be made in ``connect_s``, else the attempt fails with
+:class:`UpstreamTimeout`; each read after the first must come within ``between_chunks_s``
+of the one before, else the exchange fails the same way. A response whose first byte has
+not come within ``first_byte_s`` of the request is *overdue*: :meth:`UpstreamConnection.head`
+then fails, while :meth:`UpstreamConnection.answer` lets the gateway start another
+attempt beside it and keep waiting on this one (a slow instance still answers; a hung one
+never does, see ``controller.gateway.app``). The two read deadlines are checked by one
+sweep over the connections in use, about once a second, not by a timer per request or
+per chunk (that would sit on every event's critical path): a read only counts itself,
+and the sweep notes when the count last moved.
+
+A sweep that runs late (the event loop was held up: a loaded machine, a long callback)
+judges nothing that round: replies that arrived meanwhile may still sit unread in the
+sockets, and the loop reads them before the next sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -25,8 +42,36 @@ _HIGH_WATER = 1 << 20
 _LOW_WATER = 1 << 16
 
 
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
 class UpstreamError(Exception):
-    """The connection failed or the upstream sent something that is not HTTP/1.1."""
+    """The connection failed or the upstream sent something that is not HTTP/1.1.
+
+    ``local``: the failure is this process's (out of file descriptors or memory), not
+    the upstream's, and says nothing about the instance."""
+
+    def __init__(self, message: str, *, local: bool = False) -> None:
+        super().__init__(message)
+        self.local = local
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream did not connect, answer or go on within its timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    """How long the gateway waits on an upstream (the ``gateway.upstream_timeouts``
+    settings). A non-streaming completion sends its first byte only once the whole
+    completion is generated, hence the long ``first_byte_s``."""
+
+    connect_s: float = 2.0
+    first_byte_s: float = 300.0
+    """From the request sent to the response's first byte."""
+    between_chunks_s: float = 60.0
+    """From one read of the response to the next (a queued or prefilling request may
+    be silent for a while between its head and its first event)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +105,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.received_any = False
         """Whether this request got any response byte: a reused connection that fails
         before that was most likely closed by the upstream while idle."""
+        self.reads = 0
+        """Reads so far: the pool's sweep tells progress from a stall by this moving."""
+        self.watched: tuple[int, float] | None = None
+        """``(reads, loop time)`` when the sweep last saw ``reads`` move; None: not yet
+        for this request (or while the gateway holds the upstream back)."""
+        self.overdue: str | None = None
+        """Why the response is overdue (no byte within ``first_byte_s``); None: it is not."""
 
     # asyncio.Protocol -----------------------------------------------------------------
 
@@ -69,6 +121,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
+        self.reads += 1
         if self._at_chunk_boundary and self._sink is not None:
             # Between two chunks of a chunked body, whole chunks (what vLLM's uvicorn
             # writes per event) are taken here without the parser's callbacks; see pipe().
@@ -144,6 +197,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     # the gateway's side ---------------------------------------------------------------
 
+    def fail(self, error: BaseException) -> None:
+        """End the exchange with ``error`` (closing the connection); whoever waits on it
+        raises it."""
+        self._fail(error)
+
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
@@ -170,13 +228,36 @@ class UpstreamConnection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self.received_any = False
+        self.watched = None
+        self.overdue = None
         self.resume_reading()
         self._transport.write(request)
 
     async def head(self) -> ResponseHead:
+        """The response head; raises :class:`UpstreamTimeout` once it is overdue."""
         while self._head is None:
             if self._error is not None:
                 raise self._error
+            if self.overdue is not None:
+                raise UpstreamTimeout(self.overdue)
+            await self._wait()
+        return self._head
+
+    def mark_overdue(self, why: str) -> None:
+        """No byte came within ``first_byte_s`` (the pool's sweep): wake whoever waits."""
+        if self.overdue is None and self._head is None:
+            self.overdue = why
+            self._wake()
+
+    async def answer(self, *, past_due: bool = False) -> ResponseHead | None:
+        """The response head, or None once it is overdue (the connection stays open: the
+        head may still come). ``past_due``: wait for the head however late it is, until
+        it comes, the connection fails or the caller closes it."""
+        while self._head is None:
+            if self._error is not None:
+                raise self._error
+            if self.overdue is not None and not past_due:
+                return None
             await self._wait()
         return self._head
 
@@ -257,6 +338,11 @@ class UpstreamConnection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self._complete and not self.closed and self._error is None and self._keep_alive
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the response is still due and the gateway is not holding it back."""
+        return not self._complete and not self._paused and not self.closed
+
     def close(self) -> None:
         self.closed = True
         if self._transport is not None:
@@ -264,12 +350,21 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Idle keep-alive connections per upstream (host, port), reused last-in first-out."""
+    """Idle keep-alive connections per upstream (host, port), reused last-in first-out,
+    and the read deadlines of the connections in use (:class:`UpstreamTimeouts`)."""
 
-    def __init__(self, connect_timeout_s: float = 2.0, max_idle_per_host: int = 256) -> None:
-        self.connect_timeout_s = connect_timeout_s
+    def __init__(
+        self, timeouts: UpstreamTimeouts | None = None, max_idle_per_host: int = 256
+    ) -> None:
+        self.timeouts = timeouts or UpstreamTimeouts()
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
+        self._busy: set[UpstreamConnection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_due = 0.0
+        """Loop time the next sweep was scheduled for."""
+        self._skipped = False
+        """Whether the last sweep ran late and judged nothing."""
 
     async def connect(self, host: str, port: int) -> tuple[UpstreamConnection, bool]:
         """A connection to (host, port) and whether it was reused from the pool."""
@@ -277,20 +372,83 @@ class UpstreamPool:
         while idle:
             connection = idle.pop()
             if not connection.closed:
+                self._checked_out(connection)
                 return connection, True
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(UpstreamConnection, host, port), self.connect_timeout_s
+                loop.create_connection(UpstreamConnection, host, port), self.timeouts.connect_s
             )
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {host}:{port}: {exc!r}") from exc
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"cannot connect to {host}:{port} within {self.timeouts.connect_s:g} s"
+            ) from exc
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect to {host}:{port}: {exc!r}", local=exc.errno in _LOCAL_ERRNOS
+            ) from exc
+        self._checked_out(protocol)
         return protocol, False
+
+    def _checked_out(self, connection: UpstreamConnection) -> None:
+        self._busy.add(connection)
+        if self._sweeper is None:
+            self._schedule_sweep(asyncio.get_running_loop())
+
+    def _schedule_sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        interval = self._sweep_interval
+        self._sweep_due = loop.time() + interval
+        self._sweeper = loop.call_later(interval, self._sweep)
+
+    @property
+    def _sweep_interval(self) -> float:
+        timeouts = self.timeouts
+        return min(1.0, timeouts.first_byte_s / 4, timeouts.between_chunks_s / 4)
+
+    def _sweep(self) -> None:
+        """Mark overdue the responses whose first byte is late and fail the exchanges
+        that went silent after it. Runs while connections are in use, about once a
+        second: a deadline is met up to one interval late, and a request costs nothing
+        for it on its own path. A sweep that runs more than an interval late judges
+        nothing (what arrived while the loop was held up may not have been read yet);
+        the next one, after the loop has read its sockets, does."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        timeouts = self.timeouts
+        judge = self._skipped or now - self._sweep_due <= self._sweep_interval
+        self._skipped = not judge
+        for connection in list(self._busy):
+            if connection.closed:
+                self._busy.discard(connection)
+                continue
+            if not connection.waiting:
+                connection.watched = None  # held back by the client, or complete
+                continue
+            watched = connection.watched
+            if watched is None or watched[0] != connection.reads:
+                connection.watched = (connection.reads, now)
+                continue
+            if not judge:
+                continue
+            if connection.received_any:
+                limit = timeouts.between_chunks_s
+                if now - watched[1] >= limit:
+                    message = f"the upstream sent nothing more for {limit:g} s"
+                    connection.fail(UpstreamTimeout(message))
+                    self._busy.discard(connection)
+            elif now - watched[1] >= timeouts.first_byte_s:
+                connection.mark_overdue(
+                    f"the upstream did not answer for {timeouts.first_byte_s:g} s"
+                )
+        self._sweeper = None
+        if self._busy:
+            self._schedule_sweep(loop)
 
     def release(self, host: str, port: int, connection: UpstreamConnection) -> None:
         """Back to the pool when the exchange completed cleanly; closed otherwise (a
         half-read response must not be reused, and closing it is what makes vLLM abort
         the request)."""
+        self._busy.discard(connection)
         if not connection.reusable:
             connection.close()
             return
@@ -301,6 +459,12 @@ class UpstreamPool:
             connection.close()
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for connection in self._busy:
+            connection.close()
+        self._busy.clear()
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()

@@ -6,6 +6,10 @@ first, before any newer write, so the audit log keeps its order. The queue holds
 most ``max_records`` records (a batch of observations counts as its size); past that
 the oldest droppable writes (observations, window stats) go first, and only if nothing
 droppable is left does the oldest of the rest. Every dropped record is counted.
+
+A write given a ``key`` supersedes the queued one with the same key: a policy snapshot
+is the whole learned state, so during an outage only the newest is worth keeping (each
+is a full copy; queueing every one held up to ``max_records`` of them).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class _Pending:
     write: Write
     records: int
     droppable: bool
+    key: str | None = None
 
 
 class BufferedWriter:
@@ -45,10 +50,18 @@ class BufferedWriter:
     def pending_records(self) -> int:
         return self._pending_records
 
-    def write(self, write: Write, *, records: int = 1, droppable: bool = False) -> bool:
+    def write(
+        self,
+        write: Write,
+        *,
+        records: int = 1,
+        droppable: bool = False,
+        key: str | None = None,
+    ) -> bool:
         """Apply ``write`` now if the store is reachable (after anything queued), else
-        queue it. True when it reached the database. Errors that are not about
-        reachability propagate: they are bugs, not outages."""
+        queue it (replacing a queued write with the same ``key``). True when it reached
+        the database. Errors that are not about reachability propagate: they are bugs,
+        not outages."""
         with self._lock:
             if self._flush_locked():
                 try:
@@ -57,7 +70,7 @@ class BufferedWriter:
                 except Exception as exc:
                     if not is_unavailable(exc):
                         raise
-            self._enqueue(_Pending(write, records, droppable))
+            self._enqueue(_Pending(write, records, droppable, key))
             return False
 
     def flush(self) -> bool:
@@ -79,6 +92,10 @@ class BufferedWriter:
         return True
 
     def _enqueue(self, pending: _Pending) -> None:
+        if pending.key is not None:
+            for superseded in [p for p in self._pending if p.key == pending.key]:
+                self._pending.remove(superseded)
+                self._pending_records -= superseded.records
         self._pending.append(pending)
         self._pending_records += pending.records
         while self._pending_records > self.max_records and len(self._pending) > 1:

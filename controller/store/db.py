@@ -3,13 +3,21 @@
 Every method is one short transaction, safe to call from worker threads. A database
 that cannot be reached raises ``StoreUnavailable`` (``is_unavailable`` tells such
 errors from bugs); ``controller.store.buffer`` builds the write buffer on that.
+
+A SQLite file deleted or replaced under a running store would otherwise go on taking
+writes into the old file, which nothing opens again: every call first checks that the
+path still names the file opened (same device and inode), and from the first time it
+does not, every call raises ``StoreLost`` (an outage, for the buffer and the API) until
+a restart opens what is there now.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,12 +25,24 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, and_, create_engine, delete, event, func, select, update
+from sqlalchemy import (
+    Engine,
+    and_,
+    case,
+    create_engine,
+    delete,
+    event,
+    func,
+    literal,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.contexts import Context
+from controller.contexts import Context, bucket_order
 from controller.store.models import (
     AlertRow,
     Base,
@@ -32,12 +52,16 @@ from controller.store.models import (
     ObservationRow,
     OverrideRow,
     PolicySnapshotRow,
+    RestartLeaseRow,
     ServiceStateRow,
     WindowStatRow,
 )
 from controller.store.records import (
     AlertRecord,
     DecisionRecord,
+    LeaseGrant,
+    LeaseOutcome,
+    LeaseRecord,
     ObservationRecord,
     OverrideRecord,
     Scope,
@@ -49,10 +73,22 @@ ROLLUP_BATCH = 50_000
 """Raw rows rolled up per call, so one call never holds a long transaction."""
 HANDOVER_BATCH = 20_000
 """Handed-over observations the leader takes per iteration at most (the rest next time)."""
+LEASE_LOCK_SQL = text(
+    "SELECT pg_advisory_xact_lock(hashtext('specpilot-lease:' || current_schema() || ':' || :pool))"
+)
+"""Serialises the lease decisions of one pool across replicas, for one transaction."""
+MIGRATE_LOCK_SQL = text(
+    "SELECT pg_advisory_xact_lock(hashtext('specpilot-migrate:' || current_schema()))"
+)
 
 
 class StoreUnavailable(RuntimeError):
     """The database cannot be reached (down, refused, connection lost)."""
+
+
+class StoreLost(StoreUnavailable):
+    """The SQLite file the store opened was deleted or replaced: what it held is gone
+    from where the next start looks, and writes would go where nothing reads them."""
 
 
 def is_unavailable(error: BaseException) -> bool:
@@ -115,6 +151,13 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        database = engine.url.database if engine.dialect.name == "sqlite" else None
+        self._file = Path(database).resolve() if database and database != ":memory:" else None
+        self._identity: tuple[int, int] | None = None
+        self._lease_lock = threading.Lock()
+        """SQLite has one process; its threads take leases one at a time."""
+        self.lost: str | None = None
+        """Why the store is lost (``StoreLost``), once it is; None while it is not."""
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True, connect_timeout_s: float = 5.0) -> Store:
@@ -142,14 +185,46 @@ class Store:
                     f"cannot reach the store at {redact(url)}: {str(reason).strip()}"
                 ) from exc
             raise
+        store._identity = store._file_identity()
         return store
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        if self._file is None:
+            return None
+        try:
+            status = os.stat(self._file)
+        except FileNotFoundError:
+            return None
+        return status.st_dev, status.st_ino
+
+    def check_lost(self) -> str | None:
+        """Why the SQLite file is lost (deleted, or another file at its path), or None;
+        cheap (one ``stat``). Always None for PostgreSQL and in-memory SQLite."""
+        if self.lost is None and self._file is not None:
+            identity = self._file_identity()
+            if self._identity is None:
+                self._identity = identity  # a store made without open(): first sight
+            elif identity is None:
+                self.lost = f"the SQLite file {self._file} was deleted"
+            elif identity != self._identity:
+                self.lost = f"the SQLite file {self._file} was replaced by another file"
+        return self.lost
+
+    def _ensure_not_lost(self) -> None:
+        if self.check_lost() is not None:
+            raise StoreLost(f"{self.lost}; restart specpilot to open what is there now")
 
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
 
     def migrate(self) -> None:
+        """Bring the schema to the newest migration. On PostgreSQL under a lock held to
+        the end of the transaction: replicas starting together (a Deployment's pods)
+        migrate one after the other, the later ones finding the work done."""
         with self.engine.begin() as connection:
+            if self.dialect == "postgresql":
+                connection.execute(MIGRATE_LOCK_SQL)
             config = alembic_config(self.engine)
             config.attributes["connection"] = connection
             command.upgrade(config, "head")
@@ -158,6 +233,7 @@ class Store:
         self.engine.dispose()
 
     def ping(self) -> None:
+        self._ensure_not_lost()
         try:
             with self.engine.connect() as connection:
                 connection.exec_driver_sql("SELECT 1")
@@ -167,6 +243,7 @@ class Store:
             raise
 
     def _session(self) -> Session:
+        self._ensure_not_lost()
         return self._sessions()
 
     # -- observations and window stats -------------------------------------------------
@@ -354,9 +431,39 @@ class Store:
             .where(and_(*filters_roll))
             .group_by(r.model, r.workload_class, r.bucket, r.arm)
         )
+        # Scraped windows count as the requests they cover, their means weighted so.
+        w = WindowStatRow
+        filters_win = [w.ts >= since, w.workload_class.is_not(None), w.requests > 0]
+        if model is not None:
+            filters_win.append(w.model == model)
+        if workload_class is not None:
+            filters_win.append(w.workload_class == workload_class)
+        weighted = func.coalesce(func.sum(w.requests), 0.0)
+        windows = (
+            select(
+                w.model,
+                w.workload_class,
+                func.coalesce(w.bucket, ""),
+                func.coalesce(w.arm, "unknown"),
+                weighted,
+                func.coalesce(func.sum(w.generation_tokens), 0.0),
+                func.coalesce(func.sum(w.tpot_mean_s * w.requests), 0.0),
+                func.coalesce(func.sum(case((w.tpot_mean_s.is_not(None), w.requests))), 0.0),
+                literal(0.0),
+                literal(0.0),
+                func.coalesce(func.sum(w.acceptance_rate * w.requests), 0.0),
+                func.coalesce(func.sum(case((w.acceptance_rate.is_not(None), w.requests))), 0.0),
+                func.coalesce(func.sum(w.mean_acceptance_length * w.requests), 0.0),
+                func.coalesce(
+                    func.sum(case((w.mean_acceptance_length.is_not(None), w.requests))), 0.0
+                ),
+            )
+            .where(and_(*filters_win))
+            .group_by(w.model, w.workload_class, w.bucket, w.arm)
+        )
         totals: dict[tuple[str, str, str, str], list[float]] = {}
         with self._session() as session:
-            for query in (raw, rolled):
+            for query in (raw, rolled, windows):
                 for row in session.execute(query):
                     key = (row[0], row[1], row[2], row[3])
                     acc = totals.setdefault(key, [0.0] * 10)
@@ -377,7 +484,9 @@ class Store:
                 acceptance_rate=mean(acc[6], acc[7]),
                 mean_acceptance_length=mean(acc[8], acc[9]),
             )
-            for (m, c, b, arm), acc in sorted(totals.items())
+            for (m, c, b, arm), acc in sorted(
+                totals.items(), key=lambda item: (item[0][:2], bucket_order(item[0][2]), item[0][3])
+            )
         ]
 
     # -- decisions -----------------------------------------------------------------------
@@ -539,6 +648,22 @@ class Store:
         self.record_alert(alert)
         return True
 
+    def resolve_alerts(self, name: str, context: str | None, ts: float) -> int:
+        """Mark every unresolved alert of this name and context resolved at ``ts``."""
+        with self._session() as session, session.begin():
+            result = session.execute(
+                update(AlertRow)
+                .where(
+                    AlertRow.name == name,
+                    AlertRow.context == context
+                    if context is not None
+                    else AlertRow.context.is_(None),
+                    AlertRow.resolved_at.is_(None),
+                )
+                .values(resolved_at=ts)
+            )
+        return int(getattr(result, "rowcount", 0) or 0)
+
     def alerts(self, *, limit: int = 100, unresolved_only: bool = False) -> list[AlertRecord]:
         query = select(AlertRow).order_by(AlertRow.id.desc()).limit(limit)
         if unresolved_only:
@@ -581,6 +706,121 @@ class Store:
             else:
                 row.value, row.updated_at = value, now
 
+    # -- restart leases (per-pod topology) ----------------------------------------------
+
+    def acquire_lease(
+        self,
+        pool: str,
+        replica: str,
+        config: str,
+        clock: Callable[[], float],
+        ttl_s: float,
+        max_unavailable: int,
+    ) -> LeaseGrant:
+        """A lease to restart ``replica``'s vLLM of ``pool`` into ``config``, unless a
+        failed restart of that config holds the pool or ``max_unavailable`` other
+        replicas hold one. Leases past their expiry are closed as ``expired``, this
+        replica's own open ones (a previous life's) as ``abandoned``, and holds on
+        other configs of the pool lifted (it was handed another config since).
+        ``clock`` is read once the pool's lock is held, so a lease granted after
+        another's release never starts before it in the log."""
+        with self._lease_lock, self._session() as session, session.begin():
+            if self.dialect == "postgresql":
+                session.execute(LEASE_LOCK_SQL, {"pool": pool})
+            now = clock()
+            _close_stale_leases(session, pool, replica, now)
+            _lift_holds(session, pool, config)
+            held = session.scalar(
+                select(RestartLeaseRow)
+                .where(
+                    RestartLeaseRow.pool == pool,
+                    RestartLeaseRow.holds.is_(True),
+                    RestartLeaseRow.config == config,
+                )
+                .order_by(RestartLeaseRow.id.desc())
+                .limit(1)
+            )
+            if held is not None:
+                return LeaseGrant(held=_lease(held))
+            holders = session.scalars(
+                select(RestartLeaseRow.replica).where(
+                    RestartLeaseRow.pool == pool,
+                    RestartLeaseRow.released_at.is_(None),
+                    RestartLeaseRow.expires_at > now,
+                )
+            ).all()
+            if len(holders) >= max_unavailable:
+                return LeaseGrant(holders=tuple(sorted(holders)))
+            row = RestartLeaseRow(
+                pool=pool,
+                replica=replica,
+                config=config,
+                acquired_at=now,
+                expires_at=now + ttl_s,
+                holds=False,
+            )
+            session.add(row)
+            session.flush()
+            return LeaseGrant(lease=_lease(row))
+
+    def renew_lease(self, lease_id: int, now: float, ttl_s: float) -> bool:
+        """Push an open lease's expiry to ``now + ttl_s``; False if it is no longer
+        open (it expired, and another replica may be restarting now)."""
+        with self._session() as session, session.begin():
+            result = session.execute(
+                update(RestartLeaseRow)
+                .where(
+                    RestartLeaseRow.id == lease_id,
+                    RestartLeaseRow.released_at.is_(None),
+                    RestartLeaseRow.expires_at > now,
+                )
+                .values(expires_at=now + ttl_s)
+            )
+        return bool(getattr(result, "rowcount", 0))
+
+    def release_lease(
+        self,
+        lease_id: int,
+        now: float,
+        outcome: LeaseOutcome,
+        detail: str | None = None,
+        *,
+        holds: bool = False,
+        config: str | None = None,
+    ) -> None:
+        """Close a lease; ``holds``: no other replica of the pool starts its config
+        (in the same transaction, so a replica waiting for the lease sees the hold);
+        ``config``: what the restart went to, where a newer wish replaced the one the
+        lease was granted for."""
+        with self._lease_lock, self._session() as session, session.begin():
+            row = session.get(RestartLeaseRow, lease_id)
+            if row is None:
+                return
+            if self.dialect == "postgresql":
+                session.execute(LEASE_LOCK_SQL, {"pool": row.pool})
+            if row.released_at is None:
+                row.released_at = now
+                row.outcome = outcome
+            row.detail, row.holds = detail, holds
+            if config is not None:
+                row.config = config
+
+    def lift_holds(self, pool: str, config: str) -> int:
+        """Lift the holds on ``pool`` of configs other than ``config`` (the pool was
+        handed another config); returns how many."""
+        with self._lease_lock, self._session() as session, session.begin():
+            if self.dialect == "postgresql":
+                session.execute(LEASE_LOCK_SQL, {"pool": pool})
+            return _lift_holds(session, pool, config)
+
+    def leases(self, pool: str | None = None, *, limit: int = 100) -> list[LeaseRecord]:
+        """The lease log, newest first."""
+        query = select(RestartLeaseRow).order_by(RestartLeaseRow.id.desc()).limit(limit)
+        if pool is not None:
+            query = query.where(RestartLeaseRow.pool == pool)
+        with self._session() as session:
+            return [_lease(row) for row in session.scalars(query).all()]
+
     def purge_window_stats(self, before: float) -> int:
         with self._session() as session, session.begin():
             result = session.execute(delete(WindowStatRow).where(WindowStatRow.ts < before))
@@ -607,6 +847,37 @@ R = TypeVar("R")
 def _record(kind: type[R], row: Base) -> R:
     """A flat record from the row whose columns carry its field names."""
     return kind(**{f.name: getattr(row, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
+
+
+def _close_stale_leases(session: Session, pool: str, replica: str, now: float) -> None:
+    open_ = [RestartLeaseRow.pool == pool, RestartLeaseRow.released_at.is_(None)]
+    session.execute(
+        update(RestartLeaseRow)
+        .where(*open_, RestartLeaseRow.expires_at <= now)
+        .values(released_at=RestartLeaseRow.expires_at, outcome="expired")
+    )
+    session.execute(
+        update(RestartLeaseRow)
+        .where(*open_, RestartLeaseRow.replica == replica)
+        .values(released_at=now, outcome="abandoned")
+    )
+
+
+def _lift_holds(session: Session, pool: str, config: str) -> int:
+    result = session.execute(
+        update(RestartLeaseRow)
+        .where(
+            RestartLeaseRow.pool == pool,
+            RestartLeaseRow.holds.is_(True),
+            RestartLeaseRow.config != config,
+        )
+        .values(holds=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def _lease(row: RestartLeaseRow) -> LeaseRecord:
+    return _record(LeaseRecord, row)
 
 
 def _decision(row: DecisionRow) -> DecisionRecord:

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # 64-bit ids on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY.
@@ -77,6 +87,13 @@ class WindowStatRow(Base):
     tpot_p50_s: Mapped[float | None] = mapped_column(Float)
     requests_running: Mapped[float | None] = mapped_column(Float)
     healthy: Mapped[bool] = mapped_column(default=True)
+    workload_class: Mapped[str | None] = mapped_column(Name)
+    bucket: Mapped[str | None] = mapped_column(String(32))
+    arm: Mapped[str | None] = mapped_column(Name)
+    requests: Mapped[float | None] = mapped_column(Float)
+    generation_tokens: Mapped[float | None] = mapped_column(Float)
+    tpot_mean_s: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str | None] = mapped_column(Text)
 
 
 class DecisionRow(Base):
@@ -140,6 +157,27 @@ class HandoverRow(Base):
     id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
     ts: Mapped[float] = mapped_column(Float)
     observation: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class RestartLeaseRow(Base):
+    """One replica's restart of its pool's vLLM (per-pod topology): a lease while
+    ``released_at`` is null and ``expires_at`` lies ahead, the log of the rollout after."""
+
+    __tablename__ = "restart_leases"
+    __table_args__ = (Index("ix_restart_leases_pool", "pool", "released_at"),)
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    pool: Mapped[str] = mapped_column(Name)
+    replica: Mapped[str] = mapped_column(Name)
+    config: Mapped[str] = mapped_column(Text)
+    """The config it restarted into (``controller.exactness.config_text``)."""
+    acquired_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+    released_at: Mapped[float | None] = mapped_column(Float)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    detail: Mapped[str | None] = mapped_column(Text)
+    holds: Mapped[bool] = mapped_column(Boolean, default=False)
+    """A failed restart whose config no other replica of the pool starts, until the
+    pool is handed another config."""
 
 
 class ServiceStateRow(Base):

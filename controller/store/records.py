@@ -41,6 +41,18 @@ class WindowStatRecord:
     tpot_p50_s: float | None = None
     requests_running: float | None = None
     healthy: bool = True
+    """Scraped within the scraper's ``stale_after_s`` and the window was usable."""
+    workload_class: str | None = None
+    """The class the window was attributed to (its pool's primary class)."""
+    bucket: str | None = None
+    arm: str | None = None
+    """The arm the instance ran in the window, as its metrics show it."""
+    requests: float | None = None
+    """Requests that finished in the window."""
+    generation_tokens: float | None = None
+    tpot_mean_s: float | None = None
+    status: str | None = None
+    """One line on why the window is not evidence (stale, restarted, idle, failing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,3 +130,39 @@ class StatsRow:
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     """Tokens emitted per verify step."""
+
+
+LeaseOutcome = Literal["done", "failed", "expired", "abandoned"]
+"""How a restart lease ended: the restart succeeded; it failed and was rolled back; its
+replica stopped renewing it (died); its replica gave it up (shut down, or restarted
+and found the lease of its previous life)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One replica's restart of its pool's vLLM (per-pod topology)."""
+
+    id: int
+    pool: str
+    replica: str
+    config: str
+    acquired_at: float
+    expires_at: float
+    released_at: float | None = None
+    outcome: LeaseOutcome | None = None
+    detail: str | None = None
+    holds: bool = False
+
+    def active(self, now: float) -> bool:
+        return self.released_at is None and now < self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """The answer to a request for a restart lease: ``lease`` when granted; else
+    ``held`` (a failed restart of the same config holds the pool) or the ``holders``
+    whose restarts fill ``max_unavailable``."""
+
+    lease: LeaseRecord | None = None
+    held: LeaseRecord | None = None
+    holders: tuple[str, ...] = ()

@@ -31,6 +31,11 @@ class FakeInstance:
     latency_s: float = 0.1
     in_flight: list[int] = field(default_factory=list)
     """What the drain probe reads, one value per reading (then 0)."""
+    diverge_at: int | None = None
+    """Greedy requests (``return_token_ids``): the output token at this position differs
+    from what every other fake answers (None: the same as all)."""
+    token_ids: bool = True
+    """False: answer greedy requests without ``token_ids`` (an older vLLM)."""
     stopped: bool = False
 
     @property
@@ -70,12 +75,18 @@ class FakeLauncher:
     def transport(self) -> httpx.MockTransport:
         def handle(request: httpx.Request) -> httpx.Response:
             instance = self.instances[request.url.host]
-            self.events.append(f"canary {instance.host}")
-            self.clock.now += instance.latency_s
+            greedy = b"return_token_ids" in request.content
+            if not greedy:
+                self.events.append(f"canary {instance.host}")
+                self.clock.now += instance.latency_s
             if instance.status != 200:
                 return httpx.Response(instance.status, text="engine dead")
             body = json.loads(request.content)
             assert body["model"] == "tiny" and body["max_tokens"] >= 1
+            if body.get("return_token_ids"):
+                self.events.append(f"exact {instance.host}")
+                assert body["temperature"] == 0.0 and body["ignore_eos"] is True
+                return httpx.Response(200, json=greedy_answer(instance, body))
             usage = {"completion_tokens": body["max_tokens"]}
             return httpx.Response(200, json={"choices": [{"text": " x"}], "usage": usage})
 
@@ -84,3 +95,15 @@ class FakeLauncher:
     async def in_flight(self, instance: Instance) -> int:
         fake = self.instances[instance.base_url.removeprefix("http://")]
         return fake.in_flight.pop(0) if fake.in_flight else 0
+
+
+def greedy_answer(instance: FakeInstance, body: dict[str, Any]) -> dict[str, Any]:
+    """The same ids for the same prompt on every fake, but at ``diverge_at``."""
+    seed = sum(body["prompt"].encode()) % 1000
+    ids = [seed + i for i in range(body["max_tokens"])]
+    if instance.diverge_at is not None and instance.diverge_at < len(ids):
+        ids[instance.diverge_at] += 1
+    choice: dict[str, Any] = {"text": " x"}
+    if instance.token_ids:
+        choice["token_ids"] = ids
+    return {"choices": [choice], "usage": {"completion_tokens": len(ids)}}

@@ -31,7 +31,10 @@ def make(
     mode: Any = "blue_green",
     max_slowdown: float | None = 0.25,
     preflight: Preflight | None = None,
+    exactness: bool = False,
 ) -> tuple[ManagedActuator, list[tuple[str, tuple[str, ...]]]]:
+    """``exactness`` off by default: these tests count the latency canary's requests;
+    the exactness canary has its own (test_managed_exactness.py)."""
     switches: list[tuple[str, tuple[str, ...]]] = []
 
     def on_switch(pool: str, urls: tuple[str, ...]) -> None:
@@ -44,7 +47,7 @@ def make(
             mode=mode,
             switch_grace_s=0.0,
             drain_poll_s=0.0,
-            canary=CanarySettings(requests=3, max_slowdown=max_slowdown),
+            canary=CanarySettings(requests=3, max_slowdown=max_slowdown, exactness=exactness),
         ),
         preflight=preflight,
         on_switch=on_switch,

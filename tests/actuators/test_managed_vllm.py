@@ -2,7 +2,8 @@
 accepts at start but dies on at the first request is rolled back.
 
 One actuator (and its event loop) serves the module, so the two tests share their
-starting n-gram instance: four server starts in all, never more than two alive.
+starting n-gram instance: five server starts in all (n-gram, draft, EAGLE-3, n-gram, the
+refused one), never more than two alive.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from controller.actuators.managed import (
 from controller.actuators.preflight import Preflight
 from controller.fleet import PoolConfig
 from testbed.environment import ModelSet, VllmEnvironment
+from testbed.launcher import RealVllmLauncher
 from testbed.server import parse_spec, process_group_alive
 from testbed.traffic import code_prompt, completion_body
-from tests.actuators.testbed_launcher import RealVllmLauncher
 
 pytestmark = pytest.mark.vllm
 
@@ -51,10 +52,11 @@ class Harness:
         self.switches: list[tuple[str, tuple[str, ...]]] = []
         self.actuator = ManagedActuator(
             self.launcher,
-            # The tiny draft is as large as its target, so on a 2-core CPU it is
-            # 5-15x slower than n-gram depending on the machine's load: the latency
-            # comparison is tested with fakes (test_managed.py), not here, where the
-            # subject is that no request fails or is cut while the config moves.
+            # A draft model or EAGLE head costs a second forward pass per step, so on
+            # a 2-core CPU it is several times slower than n-gram depending on the
+            # machine's load: the latency comparison is tested with fakes
+            # (test_managed.py), not here, where the subject is that no request fails
+            # or is cut while the config moves.
             # Starts take minutes when other vLLM servers share this machine's cores.
             settings=ManagedSettings(
                 start_timeout_s=900.0, canary=CanarySettings(max_slowdown=None)
@@ -143,32 +145,34 @@ def harness(testbed: tuple[VllmEnvironment, ModelSet]) -> Iterator[Harness]:
     assert not any(s.pid and process_group_alive(s.pid) for s in harness.launcher.servers)
 
 
-def test_moves_a_real_vllm_from_ngram_to_draft_and_back_under_streaming(
+def test_moves_a_real_vllm_between_ngram_draft_and_eagle_under_streaming(
     harness: Harness,
 ) -> None:
     harness.start_ngram()
-    ngram, draft = harness.config("ngram:4"), harness.config("draft:0.3:3")
+    ngram, draft, eagle = (harness.config(s) for s in ("ngram:4", "draft:3", "eagle3:3"))
     first_url = harness.actuator.urls(POOL)[0]
 
-    async def there_and_back() -> None:
-        await harness.actuator.apply([PoolConfig(POOL, draft, ())])
-        assert harness.actuator.config(POOL) == draft
+    async def round_trip() -> None:
+        for config in (draft, eagle):
+            await harness.actuator.apply([PoolConfig(POOL, config, ())])
+            assert harness.actuator.config(POOL) == config
         await harness.actuator.apply([PoolConfig(POOL, ngram, ())])
 
-    results, error = harness.while_streaming(there_and_back)
+    results, error = harness.while_streaming(round_trip)
 
     assert error is None
     assert harness.actuator.config(POOL) == ngram
     failed = [r for r in results if not r.ok]
     assert not failed, failed
     served_by = list(dict.fromkeys(r.url for r in results))
-    # The stream ran on the first n-gram instance, the draft one and the new n-gram one.
-    assert len(served_by) == 3 and served_by[0] == first_url, served_by
-    assert harness.launcher.launched[-2:] == [draft, ngram]
+    # The stream ran on the first n-gram instance, the draft one, the EAGLE-3 one and
+    # the new n-gram one.
+    assert len(served_by) == 4 and served_by[0] == first_url, served_by
+    assert harness.launcher.launched[-3:] == [draft, eagle, ngram]
     # Old instances are gone; exactly one serves.
     alive = [s for s in harness.launcher.servers if s.pid and process_group_alive(s.pid)]
     assert [s.base_url for s in alive] == [harness.actuator.urls(POOL)[0]]
-    assert [urls for _, urls in harness.switches][-2:] == [(served_by[1],), (served_by[2],)]
+    assert [urls for _, urls in harness.switches][-3:] == [(u,) for u in served_by[1:]]
 
 
 def test_config_vllm_dies_on_is_rolled_back_while_the_old_instance_serves(

@@ -126,7 +126,7 @@ def test_testbed_draft_with_a_modified_tokenizer_is_refused(tmp_path: Path) -> N
     models = ModelSet.default()
     if not models.ready:
         pytest.skip("testbed models not built: run `specpilot testbed ensure`")
-    original = models.draft(0.3)
+    original = models.draft
     preflight = Preflight({"chat": str(models.target)})
     preflight.check(draft(original))
 

@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from collectors.observations import RequestObservation, SpecDecodeRequestStats
+from collectors.observations import RequestObservation, SpecDecodeRequestStats, WindowObservation
 from controller.contexts import Context
-from controller.ports import ArmChoice, ArmEstimate, Collected
+from controller.ports import ArmChoice, ArmEstimate, Collected, DriftEvent
 from controller.settings import Settings
 
 
@@ -32,6 +32,8 @@ class ScriptedPolicy:
         self.script: dict[Context, str] = {}
         self.pins: dict[Context, str] = {}
         self.observed = 0
+        self.windows: list[WindowObservation] = []
+        self.drift_events: list[DriftEvent] = []
 
     def observe(self, observation: RequestObservation) -> None:
         from controller.loop import context_of
@@ -44,6 +46,13 @@ class ScriptedPolicy:
         )
         entry[0] += observation.tpot_s
         entry[1] += 1
+
+    def observe_window(self, window: WindowObservation) -> None:
+        self.windows.append(window)
+
+    def drift(self) -> Sequence[DriftEvent]:
+        events, self.drift_events = self.drift_events, []
+        return events
 
     def mean(self, context: Context, arm: str) -> float | None:
         entry = self.tpot.get(key(context, arm))

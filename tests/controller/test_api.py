@@ -280,3 +280,24 @@ def test_store_outage_is_503_for_writes_and_not_ready(tmp_path: Path, pg: PgData
             pg.allow_logins()
         api.until(lambda: api.client.get("/readyz").status_code == 200)
         assert api.client.post("/v1/overrides", json=NGRAM3, headers=WRITE).status_code == 201
+
+
+def test_fleet_shows_instance_urls_without_their_credentials(tmp_path: Path) -> None:
+    base = make_settings(tmp_path)
+    pool = base.fleet.pools["p"].model_copy(update={"instances": ["http://ops:s3cret@127.0.0.1:9"]})
+    settings = base.model_copy(
+        update={"fleet": base.fleet.model_copy(update={"pools": {"p": pool}})}
+    )
+    service = build_service(settings, ScriptedPolicy(settings.buckets), QueueSource())
+    try:
+        with (
+            LiveServer(create_app(settings, service, run_loop=False)) as server,
+            httpx.Client(base_url=server.url, timeout=10) as client,
+        ):
+            response = client.get("/v1/fleet")
+    finally:
+        service.close()
+    assert response.status_code == 200
+    [instance] = response.json()["pools"][0]["instances"]
+    assert instance["url"] == "http://ops:***@127.0.0.1:9"
+    assert "s3cret" not in response.text

@@ -124,6 +124,37 @@ def test_decision_is_recorded_before_the_actuators_act(harness: Harness) -> None
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temporary left over
 
 
+def test_metrics_show_the_running_arms_prediction_and_events_that_have_not_happened(
+    harness: Harness,
+) -> None:
+    registry = harness.service.registry
+    labels = {"model_name": "m", "workload_class": "code", "bucket": "1-3"}
+
+    def sample(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(name, labels | extra)
+
+    harness.tick()
+    # Counters of known labels start at 0: Prometheus' increase() sees the first event.
+    zero = [
+        ("specpilot_alerts_total", {"alert": "ExactnessBroken"}),
+        ("specpilot_decisions_total", {"actor": "operator"}),
+        ("specpilot_guard_rail_rejections_total", {"rule": "min_dwell"}),
+        ("specpilot_actuations_total", {"actuator": "recording", "outcome": "error"}),
+    ]
+    for name, zero_labels in zero:
+        assert registry.get_sample_value(name, zero_labels) == 0, name
+    assert sample("specpilot_context_arm", arm="off") == 1
+    assert sample("specpilot_context_predicted_speedup") is None  # the policy predicts none
+    # The policy now predicts for the arm the context runs: shown, with no decision.
+    harness.policy.script[CODE_LOW] = "off"
+    harness.tick(1010.0)
+    assert harness.decisions() == []
+    assert sample("specpilot_context_predicted_speedup") == 1.5
+    del harness.policy.script[CODE_LOW]
+    harness.tick(1020.0)
+    assert sample("specpilot_context_predicted_speedup") is None
+
+
 def test_chat_decisions_do_not_touch_a_pool_whose_primary_class_is_code(harness: Harness) -> None:
     harness.tick()
     harness.policy.script[CHAT_LOW] = "tiny:2"

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,10 @@ def write_config(tmp_path: Path, port: int, store_url: str | None = None) -> Pat
 class Serve:
     """``specpilot serve --config FILE`` in its own process."""
 
-    def __init__(self, config: Path, port: int) -> None:
+    def __init__(self, config: Path, port: int, environ: Mapping[str, str] | None = None) -> None:
+        """``environ``: added to the process's environment (``SPECPILOT_*`` overrides)."""
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), SPECPILOT_API_TOKEN=TOKEN)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), SPECPILOT_API_TOKEN=TOKEN, **(environ or {}))
         self.log = config.with_suffix(f".{time.monotonic_ns()}.log")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", "serve", "--config", str(config)],

@@ -26,6 +26,7 @@ from simulator.scenario import load_scenario
 from simulator.server import FleetThread, PoolSpec
 from testbed.server import free_port
 from tests.actuators.sim_launcher import SCENARIO, SPEED
+from tests.controller.conftest import PgDatabase
 from tests.controller.test_serve import AUTH, ROOT, Serve
 
 MODEL = load_scenario(SCENARIO).model.name
@@ -49,6 +50,21 @@ def base_config(tmp_path: Path, api_port: int, gateway_port: int) -> dict[str, A
         "gateway": {"host": "127.0.0.1", "port": gateway_port},
         "policy": {"min_dwell_s": 0, "measure_after_s": 0},
         "leader": {"check_interval_s": 0.2},
+    }
+
+
+def routing_fleet(sim_pools: FleetThread) -> dict[str, Any]:
+    """The two simulated pools as a routing fleet: off, and n-gram γ=4."""
+    return {
+        "pools": {
+            "off": {"model": MODEL, "instances": sim_pools.urls("off")},
+            "ngram": {
+                "model": MODEL,
+                "instances": sim_pools.urls("ngram"),
+                "proposers": {"ngram": {"method": "ngram", "gamma": [4, 4]}},
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+            },
+        }
     }
 
 
@@ -76,13 +92,23 @@ def stats(serve: Serve) -> dict[str, int]:
     return {r["arm"]: r["requests"] for r in rows if (r["class"], r["bucket"]) == ("code", "1-3")}
 
 
+def served(fleet: FleetThread, pool: str) -> float:
+    """Requests the pool's simulated vLLM instances finished (their own counter)."""
+    total = 0.0
+    for url in fleet.urls(pool):
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:request_success_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def selected(data_dir: Path) -> int:
     """How many requests the policy had routed when it last saved its state."""
     with sqlite3.connect(data_dir / "specpilot.db") as db:
         (state,) = db.execute(
             "SELECT state FROM policy_snapshots ORDER BY id DESC LIMIT 1"
         ).fetchone()
-    count = json.loads(state)["selected"]
+    count = json.loads(state)["exploration"]["selected"]
     assert isinstance(count, int)
     return count
 
@@ -96,17 +122,7 @@ def test_routing_mode_serves_the_gateway_and_keeps_learning_across_restarts(
     # Learned state is saved at the first iteration, then only on shutdown: what the
     # second process continues from is what SIGTERM saved.
     config["store"] = {"snapshot_interval_s": 3600}
-    config["fleet"] = {
-        "pools": {
-            "off": {"model": MODEL, "instances": sim_pools.urls("off")},
-            "ngram": {
-                "model": MODEL,
-                "instances": sim_pools.urls("ngram"),
-                "proposers": {"ngram": {"method": "ngram", "gamma": [4, 4]}},
-                "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
-            },
-        }
-    }
+    config["fleet"] = routing_fleet(sim_pools)
     path = write(tmp_path, config)
     gateway = f"http://127.0.0.1:{gateway_port}"
 
@@ -164,9 +180,19 @@ def test_managed_pool_is_started_moved_and_stopped_by_serve(tmp_path: Path) -> N
     path = write(tmp_path, config)
     gateway = f"http://127.0.0.1:{gateway_port}"
 
+    journal = tmp_path / "data" / "sim-launches.jsonl"
+
+    def events() -> list[dict[str, Any]]:
+        lines = journal.read_text().splitlines() if journal.exists() else []
+        return [json.loads(line) for line in lines]
+
     def serving() -> dict[str, Any]:
-        # Paths other than the completions pass through to the pool's instance.
-        response = httpx.get(f"{gateway}/sim/info", timeout=5)
+        # The newest instance the launcher started, asked directly: the gateway passes
+        # only the paths specpilot serves, not the simulator's own.
+        launches = [e for e in events() if e["event"] == "launch"]
+        if not launches:
+            return {}
+        response = httpx.get(f"{launches[-1]['url']}/sim/info", timeout=5)
         return dict(response.json()) if response.status_code == 200 else {}
 
     serve = Serve(path, api_port)
@@ -183,7 +209,11 @@ def test_managed_pool_is_started_moved_and_stopped_by_serve(tmp_path: Path) -> N
             "reason": "test",
         }
         assert serve.client.post("/v1/overrides", json=pin, headers=AUTH).status_code == 201
-        moved = serve.until(lambda: (info := serving()).get("config") == "ngram:4" and info)
+        # The new instance answers from its launch on, while its canary runs; the switch
+        # is done once the old one is stopped: the gateway routes to the new one by then.
+        serve.until(lambda: any((e["event"], e["config"]) == ("stop", "off") for e in events()))
+        moved = serving()
+        assert moved["config"] == "ngram:4"
         # Blue/green: a new instance took over.
         assert moved["process_start_time_seconds"] != started["process_start_time_seconds"]
         complete(gateway)
@@ -195,12 +225,8 @@ def test_managed_pool_is_started_moved_and_stopped_by_serve(tmp_path: Path) -> N
         serve.kill()
     log = serve.log.read_text()
     assert "Traceback" not in log, log
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "data" / "sim-launches.jsonl").read_text().splitlines()
-    ]
     # The old instance was stopped after the switch, the new one when serve stopped.
-    assert [(e["event"], e["config"]) for e in events] == [
+    assert [(e["event"], e["config"]) for e in events()] == [
         ("launch", "off"),
         ("launch", "ngram:4"),
         ("stop", "off"),
@@ -235,3 +261,75 @@ def test_gateway_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     port = config["gateway"]["port"]
     assert result.stderr.startswith(f"error: gateway: cannot listen on 127.0.0.1:{port}:")
+
+
+def test_the_gateway_serves_the_last_routing_while_the_store_is_unreachable(
+    tmp_path: Path, sim_pools: FleetThread
+) -> None:
+    api_port, gateway_port = free_port(), free_port()
+    config = base_config(tmp_path, api_port, gateway_port)
+    config["actuators"] = {"mode": "routing"}
+    config["gateway"]["workers"] = 2
+    config["fleet"] = routing_fleet(sim_pools)
+    gateway = f"http://127.0.0.1:{gateway_port}"
+    # A first run routes code to n-gram (an operator's pin) and publishes that.
+    first = Serve(write(tmp_path, config), api_port)
+    try:
+        first.until(first.readyz)
+        pin = {"scope": {"class": "code"}, "config": {"method": "ngram",
+               "num_speculative_tokens": 4}, "ttl_s": 3600, "reason": "test"}  # fmt: skip
+        assert first.client.post("/v1/overrides", json=pin, headers=AUTH).status_code == 201
+        first.until(lambda: complete(gateway) and stats(first).get("ngram:4"))
+        assert first.kill(signal.SIGTERM) in (0, -signal.SIGTERM)
+    finally:
+        first.kill()
+
+    # The database is down at the next start: the gateway serves by what it knew.
+    config["store"] = {"url": f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/x"}
+    second = Serve(write(tmp_path, config), api_port)
+    try:
+        second.until(lambda: "tried again" in second.log.read_text())
+        before = served(sim_pools, "ngram")
+        for _ in range(5):
+            complete(gateway)
+        assert served(sim_pools, "ngram") == before + 5
+        # Alive (a liveness probe must not restart it), not ready, and why.
+        assert second.client.get("/healthz").json() == {"status": "ok", "checks": {}}
+        readyz = second.client.get("/readyz")
+        assert readyz.status_code == 503, readyz.text
+        assert readyz.json()["status"] == "not ready"
+        assert readyz.json()["checks"]["store"].startswith("unreachable: cannot reach the store")
+        decisions = second.client.get("/v1/decisions", headers=AUTH)
+        assert decisions.status_code == 503 and "unreachable" in decisions.json()["detail"]
+        assert second.kill(signal.SIGTERM) == 0
+    finally:
+        second.kill()
+    assert "Traceback" not in second.log.read_text()
+
+
+def test_the_api_takes_over_once_the_store_down_at_start_answers(
+    tmp_path: Path, sim_pools: FleetThread, pg: PgDatabase
+) -> None:
+    api_port, gateway_port = free_port(), free_port()
+    config = base_config(tmp_path, api_port, gateway_port)
+    config["actuators"] = {"mode": "routing"}
+    config["gateway"]["workers"] = 1
+    config["fleet"] = routing_fleet(sim_pools)
+    config["store"] = {"url": pg.url}
+    pg.refuse_logins()  # PostgreSQL is there, this service's role may not log in: down
+    serve = Serve(write(tmp_path, config), api_port)
+    try:
+        readyz = serve.until(lambda: serve.client.get("/readyz"), timeout_s=120)
+        assert readyz.status_code == 503 and "unreachable" in readyz.json()["checks"]["store"]
+        assert serve.client.get("/healthz").status_code == 200
+        assert complete(f"http://127.0.0.1:{gateway_port}")["choices"]
+        pg.allow_logins()
+        # The waiting API hands its socket over to the real one, ready once the loop ran.
+        ready = serve.until(serve.readyz, timeout_s=120)
+        assert ready["checks"]["store"] == "ok"
+        assert serve.client.get("/healthz").status_code == 200
+        assert serve.client.get("/v1/decisions", headers=AUTH).status_code == 200
+        assert serve.kill(signal.SIGTERM) == 0
+    finally:
+        serve.kill()
+    assert "Traceback" not in serve.log.read_text()

@@ -18,18 +18,21 @@ from controller.actuators.file import FileActuator
 from controller.actuators.launcher import CommandLauncher
 from controller.actuators.managed import CanarySettings, ManagedActuator, ManagedSettings
 from controller.actuators.pacing import Paced
+from controller.actuators.rolling import RollingRestarts
 from controller.builtin import policy_from
 from controller.cli import main
 from controller.fleet import PoolConfig
-from controller.frontdoor import ClassRouting, ModelClassifier, classifier_from, gateway_from
-from controller.gateway import ConstantClassifier
-from controller.routed import PolicyRouting
+from controller.frontdoor import classifier_from, gateway_from
+from controller.gateway.classify import ModelClassifier
+from controller.gateway.routing import StaticRoutingTable
+from controller.gateway.table import SampledRouting
 from controller.settings import (
     ManagedCanarySettings,
     Settings,
     SettingsError,
     load_settings,
 )
+from controller.store.db import Store
 from controller.wiring import BanditControlPolicy
 from tests.actuators.fakes import FakeClock, FakeLauncher
 
@@ -82,6 +85,18 @@ def managed() -> dict[str, Any]:
     }
 
 
+def per_pod() -> dict[str, Any]:
+    """The per-pod topology: every pool's vLLM beside a replica, this pod's is ``code``."""
+    data = managed()
+    data["fleet"]["pools"]["static"].pop("instances")
+    pools = data["actuators"]["managed"]["pools"]
+    pools["code"].update(host="0.0.0.0", port=8000)
+    pools["static"] = {"command": ["vllm", "serve", "/models/llama"], "port": 8000}
+    data["actuators"]["managed"].update(pod={"pool": "code", "replica": "pod-a"})
+    data["store"] = {"url": "postgresql+psycopg://specpilot@127.0.0.1:5432/specpilot"}
+    return data
+
+
 def load(tmp_path: Path, data: dict[str, Any]) -> Settings:
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "data"), **data}))
@@ -94,7 +109,9 @@ def problems(tmp_path: Path, data: dict[str, Any]) -> list[str]:
     return error.value.problems
 
 
-@pytest.mark.parametrize("name", ["specpilot-routing.yaml", "specpilot-managed.yaml"])
+@pytest.mark.parametrize(
+    "name", ["specpilot-routing.yaml", "specpilot-managed.yaml", "specpilot-pod.yaml"]
+)
 def test_examples_are_valid(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     load_settings(EXAMPLES / name, environ={})
     assert main(["config", "check", str(EXAMPLES / name)]) == 0
@@ -121,12 +138,13 @@ def test_routing_mode_serves_the_gateway_with_a_per_arm_bandit(tmp_path: Path) -
     policy = policy_from(settings)
     assert isinstance(policy, BanditControlPolicy)
     assert policy.policy.config.topology == "per_arm"
-    gateway = gateway_from(settings, policy, lambda observation: None)
-    assert isinstance(gateway.routing, PolicyRouting)
+    gateway = gateway_from(settings)
+    assert isinstance(gateway.routing, SampledRouting)
     assert gateway.routing.pool_by_arm == {"off": "plain", "ngram:4": "fast"}
     assert gateway.buckets.lower_edges == tuple(settings.buckets)
-    assert isinstance(gateway.classifier, ConstantClassifier)
-    assert gateway.classifier.workload_class == settings.classes[0]
+    assert gateway.keys.classifier is None and gateway.keys.classes == set(settings.classes)
+    assert gateway.keys.default_class == settings.classes[0]
+    assert gateway.keys.models == set(settings.models)
 
 
 def test_push_mode_gateway_routes_by_class(tmp_path: Path) -> None:
@@ -143,9 +161,9 @@ def test_push_mode_gateway_routes_by_class(tmp_path: Path) -> None:
     del data["fleet"]["pools"]["static"]["instances"]
     data["actuators"]["managed"]["pools"]["static"] = {"command": ["vllm", "serve", "x"]}
     settings = load(tmp_path, data)
-    gateway = gateway_from(settings, policy_from(settings), lambda observation: None)
+    gateway = gateway_from(settings)
     routing = gateway.routing
-    assert isinstance(routing, ClassRouting)
+    assert isinstance(routing, StaticRoutingTable)
     assert routing.pool_for(None, "code", "1") == "code"  # its primary class
     assert routing.pool_for("llama", "chat", "1") == "static"
     assert routing.pool_for(None, "poetry", "1") == "code"  # the default pool
@@ -154,7 +172,7 @@ def test_push_mode_gateway_routes_by_class(tmp_path: Path) -> None:
     gateway.fleet.set_instances("code", ("http://127.0.0.1:8123",), "ngram:2")
     pool, instance = gateway.fleet.pick("code")
     assert (pool.arm, instance.base_url) == ("ngram:2", "http://127.0.0.1:8123")
-    assert gateway.classifier({}, {}) == "chat"
+    assert gateway.keys({}, {}) == "chat"
 
 
 Edit = Callable[[dict[str, Any]], object]
@@ -250,6 +268,44 @@ Edit = Callable[[dict[str, Any]], object]
             lambda d: d["actuators"]["managed"].update(pools={}),
             "actuators.managed.pools: Dictionary should have at least 1 item",
         ),
+        (
+            per_pod,
+            lambda d: d["actuators"]["managed"].update(mode="blue_green"),
+            "actuators.managed.pools.code.port: a fixed port needs mode: in_place",
+        ),
+        (
+            per_pod,
+            lambda d: d["actuators"]["managed"]["pod"].pop("pool"),
+            "actuators.managed.pod.pool: name the pool this pod runs",
+        ),
+        (
+            per_pod,
+            lambda d: d["actuators"]["managed"]["pod"].update(pool="ghost"),
+            "actuators.managed.pod.pool: 'ghost' is not one of",
+        ),
+        (
+            per_pod,
+            lambda d: d["actuators"]["managed"]["pod"].update(replica=" a"),
+            "actuators.managed.pod.replica: replica name ' a' must be non-empty",
+        ),
+        (
+            per_pod,
+            lambda d: d["actuators"]["managed"].update(max_unavailable=0),
+            "actuators.managed.max_unavailable: Input should be greater than or equal to 1",
+        ),
+        (
+            per_pod,
+            lambda d: (
+                d["actuators"]["managed"]["pools"].pop("static"),
+                d["fleet"]["pools"]["static"].update(instances=["http://127.0.0.1:9003"]),
+            ),
+            "fleet.pools.static.instances: in the per-pod topology every pool's vLLM",
+        ),
+        (
+            per_pod,
+            lambda d: d.update(collect={"prometheus": {"url": "http://127.0.0.1:9090"}}),
+            "collect.sources: prometheus: per-pod replicas scrape their own vLLM",
+        ),
     ],
 )
 def test_bad_mode_settings_name_the_key(
@@ -297,6 +353,36 @@ def test_managed_settings_build_a_paced_managed_actuator(tmp_path: Path) -> None
         "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}',
         "--host", "127.0.0.1", "--port", "8123",
     ]  # fmt: skip
+
+
+def test_per_pod_settings_build_this_pods_rolling_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One settings file for every pod; the environment says which pod this is."""
+    monkeypatch.setenv("SPECPILOT_ACTUATORS__MANAGED__POD__REPLICA", "pod-b")
+    path = tmp_path / "s.yaml"
+    data = per_pod()
+    data["actuators"]["managed"]["pod"] = {}
+    data["actuators"]["managed"]["pools"].pop("static")
+    data["fleet"]["pools"].pop("static")
+    path.write_text(yaml.safe_dump(data))
+    settings = load_settings(path, environ={})
+    managed = settings.actuators.managed
+    assert managed is not None and (managed.pod_pool, managed.replica) == ("code", "pod-b")
+    store = Store.open(f"sqlite:///{tmp_path / 'specpilot.db'}")
+    try:
+        (paced,) = actuators_from(settings, leases=store)
+    finally:
+        store.close()
+    rolling = paced.inner.inner  # type: ignore[attr-defined]
+    assert isinstance(rolling, RollingRestarts)
+    assert (rolling.pool, rolling.replica, rolling.max_unavailable) == ("code", "pod-b", 1)
+    assert rolling.ttl_s == 30.0
+    launcher = rolling.inner.launcher.launchers["code"]  # type: ignore[attr-defined]
+    assert isinstance(launcher, CommandLauncher) and launcher.port == 8000
+    assert launcher.argv(None, 8000)[-4:] == ["--host", "0.0.0.0", "--port", "8000"]
+    with pytest.raises(ValueError, match="restart leases"):
+        actuators_from(settings)
 
 
 def test_settings_defaults_are_the_managed_actuators(tmp_path: Path) -> None:
@@ -360,7 +446,7 @@ def test_classifier_file_is_checked_and_plugged(tmp_path: Path) -> None:
     data["gateway"] = {"classifier": str(model)}
     settings = load(tmp_path, data)
     classifier = classifier_from(settings)
-    assert isinstance(classifier, ModelClassifier)
+    assert isinstance(classifier.classifier, ModelClassifier)
     assert classifier({}, {"prompt": "def mul(a, b):\n    return a * b"}) == "code"
     assert classifier({}, {"prompt": "x", "metadata": {"workload_class": "chat"}}) == "chat"
     assert classifier({}, {"prompt": "x", "metadata": {"workload_class": "poetry"}}) == "code"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,28 @@ def test_migrations_create_the_models_schema(store: Store) -> None:
         tables = set(inspect(connection).get_table_names())
     assert {"decisions", "overrides", "alerts", "observations", "policy_snapshots"} <= tables
     store.migrate()  # idempotent
+
+
+def test_replicas_starting_together_migrate_one_after_the_other(pg: PgDatabase) -> None:
+    """A Deployment's pods open a fresh PostgreSQL schema at once: each must come up."""
+    opened: list[Store] = []
+    errors: list[BaseException] = []
+
+    def open_store() -> None:
+        try:
+            opened.append(Store.open(pg.url))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_store, daemon=True) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a migration never finished"
+    for store in opened:
+        store.close()
+    assert errors == [] and len(opened) == 4
 
 
 def test_handed_over_observations_are_taken_once_in_order(store: Store) -> None:
@@ -177,6 +201,19 @@ def test_roll_up_bounds_raw_rows_and_keeps_the_figures(store: Store) -> None:
     assert store.roll_up(now=3000.0, retention_s=500.0, period_s=60.0) == 10
     assert store.stats(since=0.0)[0].requests == 130
     assert store.stats(since=0.0, workload_class="chat") == []
+
+
+def test_stats_list_buckets_by_concurrency(store: Store) -> None:
+    labels = ["32+", "2-3", "16-31", "1", "4-7"]
+    store.add_observations(
+        [
+            dataclasses.replace(row, context=Context("m", "code", label))
+            for label in labels
+            for row in observations(0.0, 1)
+        ]
+    )
+    rows = store.stats(since=0.0)
+    assert [r.context.bucket for r in rows] == ["1", "2-3", "4-7", "16-31", "32+"]
 
 
 def test_unreachable_store_at_start_is_a_clear_error(tmp_path: Path) -> None:

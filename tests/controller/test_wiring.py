@@ -10,7 +10,10 @@ import pytest
 
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from controller.contexts import Context
+from controller.ports import Route, Routed
 from controller.wiring import BanditControlPolicy, QueuedObservations, bandit_policy, fleet_arms
+from policies.arms import Arm, ConcurrencyBuckets
+from policies.bandit import BanditConfig, SpecPilotPolicy
 from tests.controller.conftest import make_settings
 
 
@@ -100,3 +103,42 @@ def test_queued_observations_are_bounded_and_drained() -> None:
     drained = asyncio.run(queue.collect()).observations
     assert [o.finished_at for o in drained] == [2.0, 3.0]
     assert asyncio.run(queue.collect()).observations == ()
+
+
+def test_routed_requests_count_as_the_policys_own_choices_and_routes_change_nothing() -> None:
+    """The gateway's workers sample ``route`` and report what they routed: the bandit
+    (as routing mode builds it) counts those requests as ``choose`` counts its own, and
+    asking for routes counts nothing (that it explores as ``choose`` does is
+    ``test_routing_truth``'s: ``explored_share``)."""
+    clock = Clock()
+    config = BanditConfig(buckets=ConcurrencyBuckets((1, 4)), topology="per_arm")
+    bandit = SpecPilotPolicy([Arm("ngram", 4)], clock=clock, rng=np.random.default_rng(3),
+                             config=config)  # fmt: skip
+    control = BanditControlPolicy(bandit)
+    context = Context("m", "code", "1-3")
+    draws = np.random.default_rng(11)
+    for _ in range(400):
+        clock.now += 1.0
+        route = control.route(context)
+        arm, reason = route.arm, route.reason
+        for other, share, why in route.explore:
+            assert 0 < share <= 1 and other != route.arm
+            if draws.random() < share:
+                arm, reason = other, why
+        control.routed(Routed(context, arm, reason, clock.now))
+        fast = 0.010 if arm == "off" else 0.006
+        control.observe(code_request(arm, clock.now + 0.5, tpot_s=fast))
+    exploration = bandit.exploration
+    assert exploration.selected == 400
+    assert exploration.class_requests[("m", "code")] == 400
+    assert exploration.explored <= 2 * config.explore_cap * 400
+    # Asking for routes is not serving: nothing is counted, no exploring turn taken.
+    counted = (exploration.selected, dict(exploration.class_requests))
+    credits = dict(exploration.credits)
+    for _ in range(50):
+        control.route(context)
+    assert (exploration.selected, dict(exploration.class_requests)) == counted
+    assert exploration.credits == credits
+    # An override is the route, and explores nothing.
+    control.set_pins({context: "off"})
+    assert control.route(context) == Route("off", "override")

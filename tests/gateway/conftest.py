@@ -14,7 +14,7 @@ import uvloop
 
 from collectors.observations import RequestObservation
 from controller.gateway.app import Gateway
-from controller.gateway.server import GatewayServer
+from controller.gateway.server import GatewayLimits, GatewayServer
 from testbed.server import free_port
 
 
@@ -50,7 +50,9 @@ class RunningGateway:
     or ``"uvicorn"`` (the ASGI interface).
     """
 
-    def __init__(self, gateway: Gateway, server: str = "native") -> None:
+    def __init__(
+        self, gateway: Gateway, server: str = "native", limits: GatewayLimits | None = None
+    ) -> None:
         self.gateway = gateway
         self.observations: list[RequestObservation] = []
         gateway.sink = self.observations.append
@@ -60,7 +62,7 @@ class RunningGateway:
             self._thread = threading.Thread(target=loop.run_forever, daemon=True)
             self._thread.start()
             started = asyncio.run_coroutine_threadsafe(
-                GatewayServer.start(gateway, host="127.0.0.1", port=0), loop
+                GatewayServer.start(gateway, host="127.0.0.1", port=0, limits=limits), loop
             ).result(30)
             self._native = (loop, started)
             self.port = started.port
@@ -113,12 +115,14 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 6
         time.sleep(0.02)
 
 
-def gateway_runner(server: str) -> Iterator[Callable[[Gateway], RunningGateway]]:
+def gateway_runner(
+    server: str, limits: GatewayLimits | None = None
+) -> Iterator[Callable[[Gateway], RunningGateway]]:
     """Starts gateways on the ``server`` front end; stops them all afterwards."""
     started: list[RunningGateway] = []
 
     def start(gateway: Gateway) -> RunningGateway:
-        running = RunningGateway(gateway, server)
+        running = RunningGateway(gateway, server, limits)
         started.append(running)
         return running
 

@@ -35,6 +35,10 @@ def test_replay_benchmark_reports_each_level() -> None:
     assert [level["requests"] for level in report["levels"]] == [8, 32]
     for level in report["levels"]:
         assert {"added_p50_ms", "added_p99_ms", "upstream_cpu_ms_per_request"} <= level.keys()
+        # The gateway as serve runs it (one worker per core) and with one worker.
+        assert set(level["by_workers"]) == {"1", str(report["workers"])}
+        for measured in level["by_workers"].values():
+            assert measured["requests"] == level["requests"] and measured["cpu_ms_per_request"] > 0
 
 
 def test_bare_relay_floor_runs_in_the_gateways_place() -> None:

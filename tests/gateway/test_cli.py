@@ -29,3 +29,9 @@ def test_pools_and_arms_from_the_command_line() -> None:
 def test_malformed_pool_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse_pools(["no-equals-sign"], [])
+
+
+def test_an_instance_url_the_gateway_cannot_reach_is_a_message_not_a_traceback() -> None:
+    with pytest.raises(SystemExit) as refused:
+        parse_pools(["p=https://127.0.0.1:8001"], [])
+    assert str(refused.value).startswith("--pool p: instance 'https://127.0.0.1:8001': scheme")

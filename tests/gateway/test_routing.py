@@ -112,6 +112,28 @@ def test_exclusion_and_fallback_to_default_pool() -> None:
     assert instance in off.instances
 
 
+def test_a_default_pool_with_nothing_left_falls_back_to_another_pool_of_its_model() -> None:
+    """The default pool is the routed one too (nothing to fall back to before): once its
+    one instance was tried, the request goes to another pool serving the same model,
+    never to a pool of another model."""
+    pools = [
+        Pool("ngram", "ngram:4", ["http://127.0.0.1:9003"], model="m"),
+        Pool("other-model", "off", ["http://127.0.0.1:9004"], model="n"),
+        Pool("off", "off", ["http://127.0.0.1:9001"], model="m"),
+    ]
+    f = Fleet(pools, clock=FakeClock())
+    ngram = f.pools["ngram"]
+    pool, instance = f.pick("ngram", exclude=ngram.instances)
+    assert pool.name == "off" and instance in pool.instances
+    with pytest.raises(NoInstanceAvailable):
+        f.pick("ngram", exclude=[*ngram.instances, instance])
+    # Pools that do not know their model fall back to the default pool only.
+    bare = Fleet([Pool("a", "off", ["http://127.0.0.1:9005"]), Pool("b", "off", ["http://h:1"])],
+                 clock=FakeClock())  # fmt: skip
+    with pytest.raises(NoInstanceAvailable):
+        bare.pick("a", exclude=bare.pools["a"].instances)
+
+
 def test_model_in_flight_counts_requests_per_model() -> None:
     f = fleet(FakeClock())
     assert f.begin("a") == 1

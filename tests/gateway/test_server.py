@@ -13,7 +13,7 @@ import pytest
 
 from controller.gateway.app import Gateway
 from controller.gateway.routing import Fleet, Pool
-from controller.gateway.server import GatewayServer
+from controller.gateway.server import GatewayLimits, GatewayServer
 from tests.gateway.conftest import LoopThread, RunningGateway, gateway_runner
 from tests.gateway.test_gateway_fakes import start_replay
 
@@ -106,7 +106,8 @@ def test_malformed_request_is_a_400_and_closes(native: RunningGateway) -> None:
 def test_idle_keep_alive_connections_are_closed_after_keep_alive_s_and_busy_ones_kept() -> None:
     async def run() -> tuple[bytes, bool]:
         fleet = Fleet([Pool("p", "off", ["http://127.0.0.1:9"])], clock=lambda: 0.0)
-        server = await GatewayServer.start(Gateway(fleet), keep_alive_s=0.2)
+        limits = GatewayLimits(keep_alive_s=0.2)
+        server = await GatewayServer.start(Gateway(fleet), limits=limits)
         try:
             idle_reader, _ = await asyncio.open_connection("127.0.0.1", server.port)
             busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", server.port)

@@ -18,10 +18,11 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,6 +41,14 @@ def prometheus_binary() -> str:
     return found
 
 
+def promtool() -> str:
+    """Path of ``promtool`` (the same package): skipped or failed as ``prometheus_binary``."""
+    prometheus_binary()
+    found = shutil.which("promtool")
+    assert found is not None, "promtool ships with the prometheus package"
+    return found
+
+
 @dataclass(frozen=True)
 class PrometheusServer:
     url: str
@@ -50,9 +59,22 @@ class PrometheusServer:
     def query(self, promql: str, at: float | None = None) -> list[dict[str, object]]:
         """Instant query; the ``result`` list of the API answer."""
         params = {"query": promql} | ({"time": f"{at:.3f}"} if at is not None else {})
-        body = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=10).json()
-        assert body["status"] == "success", body
-        result: list[dict[str, object]] = body["data"]["result"]
+        result: list[dict[str, object]] = self.api("query", **params)["result"]
+        return result
+
+    def api(self, path: str, **params: str | float) -> Any:
+        """The ``data`` of a successful answer of ``/api/v1/<path>``; an error fails,
+        with what Prometheus said."""
+        body = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        assert body["status"] == "success", (path, params, body)
+        return body["data"]
+
+    def query_range(
+        self, promql: str, start: float, end: float, step_s: float
+    ) -> list[dict[str, object]]:
+        """Range query, as a Grafana panel asks it; the ``result`` list."""
+        data = self.api("query_range", query=promql, start=start, end=end, step=step_s)
+        result: list[dict[str, object]] = data["result"]
         return result
 
     def wait_for(self, promql: str, budget_s: float = 60.0) -> None:
@@ -68,7 +90,7 @@ class PrometheusServer:
 
 @contextmanager
 def running_prometheus(
-    targets: Sequence[str],
+    targets: Sequence[str] | Mapping[str, Sequence[str]],
     work_dir: Path,
     *,
     metrics_path: str = "/metrics",
@@ -76,12 +98,12 @@ def running_prometheus(
     job: str = "vllm",
     rule_files: Sequence[Path] = (),
 ) -> Iterator[PrometheusServer]:
-    """Start Prometheus scraping ``targets`` (``host:port``), evaluating ``rule_files``,
-    and stop it afterwards."""
+    """Start Prometheus scraping ``targets`` (``host:port``; as job ``job``, or a mapping
+    job name → its targets), evaluating ``rule_files``, and stop it afterwards."""
     binary = prometheus_binary()
     work_dir.mkdir(parents=True, exist_ok=True)
     interval = f"{round(scrape_interval_s * 1000)}ms"
-    target_list = ", ".join(f'"{target}"' for target in targets)
+    jobs = dict(targets) if isinstance(targets, Mapping) else {job: targets}
     config = work_dir / "prometheus.yml"
     config.write_text(
         "global:\n"
@@ -90,9 +112,12 @@ def running_prometheus(
         f"  evaluation_interval: {interval}\n"
         + (f"rule_files: {json.dumps([str(f) for f in rule_files])}\n" if rule_files else "")
         + "scrape_configs:\n"
-        f"  - job_name: {job}\n"
-        f"    metrics_path: {metrics_path}\n"
-        f"    static_configs:\n      - targets: [{target_list}]\n"
+        + "".join(
+            f"  - job_name: {name}\n"
+            f"    metrics_path: {metrics_path}\n"
+            f"    static_configs:\n      - targets: {json.dumps(list(hosts))}\n"
+            for name, hosts in jobs.items()
+        )
     )
     port = free_port()
     data_dir = work_dir / "data"

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-import policies.bandit as bandit
+import policies.bandit.learning as bandit_learning
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from policies.arms import OFF, Arm, Context
 from policies.bandit import BanditConfig, SpecPilotPolicy, steps_taken
@@ -89,7 +89,7 @@ def test_a_cold_engine_does_not_keep_a_faster_arm_off(seed: int) -> None:
 
 
 def test_uncapped_the_cold_request_would_keep_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bandit, "_OVERHEAD_CAP", math.inf)
+    monkeypatch.setattr(bandit_learning, "_OVERHEAD_CAP", math.inf)
     assert one_stream(60).decide(CONTEXT).arm == OFF
 
 
@@ -102,5 +102,6 @@ def test_the_overhead_window_survives_a_restart() -> None:
         config=policy.config,
     )
     restored.load_state_dict(policy.state_dict())
-    assert restored.state_dict()["overheads"] == policy.state_dict()["overheads"]
-    assert len(policy.state_dict()["overheads"][CONTEXT.model]) == 30
+    saved = policy.state_dict()["learning"]["overheads"]
+    assert restored.state_dict()["learning"]["overheads"] == saved
+    assert len(policy.state_dict()["learning"]["overheads"][CONTEXT.model]) == 30

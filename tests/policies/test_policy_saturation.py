@@ -4,18 +4,20 @@ doing worse than no speculation at saturation. Deterministic (fixed seeds)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from policy_sim import run_specpilot, scenario
 
 from collectors.observations import RequestObservation
-from policies.arms import OFF, Context
+from policies.arms import OFF, Arm, Context
 from policies.bandit import SpecPilotPolicy
 from policies.baselines import OraclePolicy, StaticPolicy
 from policies.estimators import KNEE_CELL, KNEE_GRID, StepCostModel
 from policies.fleet import CostParams
 from simulator.run import RunResult, simulate
-from simulator.scenario import Scenario
+from simulator.scenario import Scenario, load_scenario
 from simulator.truth import ScenarioTruth
 
 
@@ -42,7 +44,7 @@ def test_a_burst_is_planned_for_the_concurrency_it_runs_at() -> None:
         policy.choose(context)
     clock.now = 1.0
     policy.choose(context)  # the next event reads what the burst ran at
-    assert policy._concurrency("m", "32+") == pytest.approx(48.0)
+    assert policy.learning.concurrency("m", "32+") == pytest.approx(48.0)
 
 
 def test_a_concurrency_sample_stays_within_its_bucket() -> None:
@@ -67,7 +69,7 @@ def test_a_concurrency_sample_stays_within_its_bucket() -> None:
             finished_at=1.0,
         )
     )
-    assert policy._concurrency("m", "32+") == pytest.approx(32.0)
+    assert policy.learning.concurrency("m", "32+") == pytest.approx(32.0)
 
 
 def _feed(model: StepCostModel, truth: CostParams, batches: list[int], steps: int = 60) -> None:
@@ -162,8 +164,8 @@ def test_knee_trials_lift_a_knee_estimate_stuck_at_the_edge() -> None:
         phases=[{"at_s": 0, "concurrency": 16}],
     )
     policy, result = run_specpilot(scn)
-    assert ("sim-model", "16-31") in policy._next_trial  # trials ran
-    knee = policy._cost["sim-model"].mean_params().knee_tokens
+    assert ("sim-model", "16-31") in policy.exploration.next_trial  # trials ran
+    knee = policy.learning.cost["sim-model"].mean_params().knee_tokens
     assert knee >= 64
     chat = policy.decide(Context("sim-model", "chat", "16-31")).arm
     assert chat.proposer == "eagle3" and chat.gamma >= 3
@@ -181,4 +183,20 @@ def test_no_knee_trial_where_the_knee_may_already_bind() -> None:
         phases=[{"at_s": 0, "concurrency": 48}],
     )
     policy, _ = run_specpilot(scn)
-    assert ("sim-model", "32+") not in policy._next_trial
+    assert ("sim-model", "32+") not in policy.exploration.next_trial
+
+
+def test_a_knee_trial_moves_fewer_classes_where_moving_all_could_cost_too_much() -> None:
+    """Eight streams, two classes on n-gram γ=4 (40 verified positions, the largest
+    batch seen), the knee really at 128: the plan one knee cell bolder moves both
+    classes to γ 5 and 6, which would cost more than ``trial_max_loss`` were the knee
+    right at 40. Moving one class at a time stays within it, and the knee estimate
+    climbs until both run γ=6 (56 positions), as the oracle does."""
+    path = Path(__file__).resolve().parents[2] / "bench/scenarios/holdout-stationary-505.yaml"
+    scn = load_scenario(path).model_copy(update={"duration_s": 240.0})
+    policy, _ = run_specpilot(scn)
+    knee = policy.learning.cost["sim-model"].mean_params().knee_tokens
+    assert knee >= 56
+    for cls in ("chat", "code"):
+        assert policy.decide(Context("sim-model", cls, "8-15")).arm == Arm("ngram", 6)
+    assert policy.explore_fraction <= 0.1

@@ -355,6 +355,36 @@ def test_errors_look_like_vllm_errors(fleet: FleetThread, client: httpx.Client) 
     assert client.get(base + "/health").status_code == 200
 
 
+def test_a_prompt_longer_than_the_context_or_one_token_leave_the_instance_serving(
+    fleet: FleetThread, client: httpx.Client
+) -> None:
+    base = url(fleet, "plain")
+    context = client.get(base + "/v1/models").json()["data"][0]["max_model_len"]
+    prompt = "x" * (4 * context + 4)  # four characters a token
+    for path, body in (
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+    ):
+        refused = client.post(base + path, json=body)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "BadRequestError",
+            "input_tokens",
+            400,
+        )
+        assert error["message"].startswith(f"This model's maximum context length is {context}")
+    # One token (its generation has no interval) is served too, streamed or not.
+    for stream in (False, True):
+        one = client.post(
+            base + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": stream}
+        )
+        assert one.status_code == 200, one.text
+    # The instance was not held up by either: the next request is served as usual.
+    served = client.post(base + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4})
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+
+
 def test_an_instance_is_down_during_a_restart_with_downtime(
     fleet: FleetThread, client: httpx.Client
 ) -> None:

@@ -45,6 +45,7 @@ def test_bench_policy_cli_prints_the_issue_keys(
     assert {
         "specpilot",
         "oracle",
+        "fluid_oracle",
         "best_static",
         "off",
         "batch_size_table",
@@ -62,5 +63,29 @@ def test_bench_policy_cli_prints_the_issue_keys(
         report["policies"]["specpilot"]["goodput"] / best
     )
     assert report["drift_detection_delay_requests"] == []
+    assert report["idle_arm_drifts"] == []
     assert isinstance(report["false_alarms"], int)
     assert 0 <= report["explore_fraction"] <= 1
+    # One select per specpilot request, timed on the request path.
+    latency = report["select_latency_us"]
+    assert latency["calls"] > 100
+    assert 0 < latency["p50"] <= latency["p99"] <= latency["p999"] <= latency["max"]
+    assert report["bound"]["top_other"] in names
+
+
+def test_bench_policy_cli_runs_a_stationary_random_scenario(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "policy", "--random", "31", "--stationary", "--duration", "240", "--json"]
+    )
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scenario"]["stationary"] is True
+    assert report["scenario"]["phases"] == 1 and report["scenario"]["drift_events"] == 0
+    best = report["policies"]["best_static"]["goodput"]
+    assert report["ratios"]["vs_best_static"] == pytest.approx(
+        report["policies"]["specpilot"]["goodput"] / best
+    )

@@ -1,0 +1,110 @@
+"""`bench gateway --peers`: the peer proxies, their CPU accounting and the goals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.gateway import (
+    StreamClient,
+    child,
+    nginx_proxy,
+    peer_checks,
+    process_cpu_s,
+    process_tree,
+)
+from bench.peers import LITELLM_PACKAGE, litellm_env
+from testbed.server import free_port
+
+
+def _row(p50: float, p99: float, cpu: float) -> dict[str, float]:
+    return {"added_p50_ms": p50, "added_p99_ms": p99, "cpu_ms_per_request": cpu}
+
+
+def test_peer_goals_compare_against_nginx_and_litellm() -> None:
+    checks = peer_checks(
+        {
+            "specpilot": _row(0.6, 2.0, 1.0),
+            "nginx": _row(0.5, 1.0, 0.4),
+            "litellm": _row(3.0, 20.0, 3.0),
+        }
+    )
+    assert checks == {
+        "p50_vs_nginx": True,  # 0.6 <= 1.5 × 0.5
+        "p50_vs_litellm": True,  # 0.6 <= 0.25 × 3.0
+        "p99_vs_nginx": False,  # 2.0 > 1.5 × 1.0
+        "p99_vs_litellm": True,  # 2.0 <= 0.25 × 20
+        "cpu_vs_litellm": False,  # 1.0 > 0.25 × 3.0
+    }
+
+
+_FORKING = """
+import subprocess, sys
+burn = "import time\\nend = time.process_time() + 0.2\\n"
+burn += "while time.process_time() < end: pass\\ntime.sleep(60)"
+subprocess.run([sys.executable, "-c", burn])
+"""
+
+
+def test_cpu_of_a_proxy_counts_the_workers_it_forked() -> None:
+    """nginx serves from a worker its master forked: its CPU must be counted."""
+    parent = subprocess.Popen([sys.executable, "-c", _FORKING], start_new_session=True)
+    try:
+        tree: list[int] = []
+        for _ in range(1000):
+            tree = process_tree(parent.pid)
+            if len(tree) == 2 and process_cpu_s(tree[1]) >= 0.2:
+                break
+            subprocess.run(["sleep", "0.01"], check=True)
+        assert len(tree) == 2 and tree[0] == parent.pid
+        worker = process_cpu_s(tree[1])
+        assert worker >= 0.2
+        assert process_cpu_s(parent.pid) >= worker
+    finally:
+        os.killpg(parent.pid, signal.SIGTERM)
+        parent.wait(timeout=30)
+
+
+_HAVE_NGINX = shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
+
+
+def test_litellm_is_pinned_and_kept_apart_from_the_project() -> None:
+    # An exact pin, from before the releases known to have been compromised.
+    name, _, version = LITELLM_PACKAGE.partition("==")
+    assert name == "litellm[proxy]" and version not in {"1.82.7", "1.82.8", "1.107.0"}
+    assert ".venv" not in litellm_env().parts and version in litellm_env().name
+
+
+@pytest.mark.skipif(not _HAVE_NGINX, reason="no nginx (bench.peers.ensure_nginx installs it)")
+def test_nginx_relays_the_replayed_stream_unbuffered() -> None:
+    nginx = Path(shutil.which("nginx") or "/usr/sbin/nginx")
+    port = free_port()
+    replay = [sys.executable, "-m", "bench.gateway", "--serve-replay", str(port),
+              "--chunk-interval-ms", "0"]  # fmt: skip
+    body = b'{"model": "tiny-llama", "prompt": "x", "stream": true}'
+    with (
+        tempfile.TemporaryDirectory() as root,
+        child(replay, f"http://127.0.0.1:{port}/v1/models"),
+        nginx_proxy(nginx, port, Path(root)) as (nginx_port, pid),
+    ):
+        assert len(process_tree(pid)) == 2  # master and its one worker
+
+        async def stream() -> None:
+            client = StreamClient("127.0.0.1", nginx_port, "/v1/completions", body)
+            try:
+                for _ in range(3):
+                    timing = await client.run()
+                    assert 0 < timing.ttfb_s <= timing.total_s
+            finally:
+                await client.close()
+
+        asyncio.run(stream())
+        assert process_cpu_s(pid) > 0
