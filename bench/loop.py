@@ -17,8 +17,9 @@ are, and as the policy's ``per_arm`` topology assumes), and the same gateway hop
 differs is which config serves each request. (Against a static pool of one server,
 specpilot's two pools would have twice the hardware; and with vLLM's default binding
 every server computes on core 0: docs/testbed.md.) The gateways share the load
-generator's process. The traffic has phases, as production does: one stream of
-self-repeating code prompts, then sixteen concurrent streams, then one again. The three
+generator's process. The traffic has phases, as production does: one stream, then
+sixteen concurrent streams, then one again; each stream alternates the classes of
+``MIX`` (``--mix``). The three
 targets take turns within each phase (see ``SLICES``). Goodput is completion tokens per
 wall-clock second of each target's own turns.
 
@@ -49,7 +50,7 @@ from controller.runtime import assemble
 from controller.settings import Settings
 from testbed.environment import ModelSet, VllmEnvironment
 from testbed.server import KNEE_TOKENS, NGRAM_TUNING, SERVED_MODEL, VllmServer, parse_spec
-from testbed.traffic import run_streams
+from testbed.traffic import CLASSES, Mix, run_streams
 
 RESULT = Path("bench/results/loop.json")
 
@@ -59,6 +60,12 @@ class Phase:
     streams: int
     requests_each: int
 
+
+MIX: Mix = (("code", 0.0), ("json", 1.0))
+"""Each stream alternates greedy code completions, where n-gram lookup accepts 0.93 of its
+drafts, and sampled JSON, where it drafts on most steps and accepts 0.08 (the testbed's
+acceptance table, docs/testbed.md): a class that pays for speculation and one that pays
+for its drafts, so which pool serves which class matters."""
 
 PHASES = (Phase(1, 60), Phase(16, 12), Phase(1, 60))
 # Each phase's requests per stream divide evenly into SLICES turns.
@@ -76,15 +83,20 @@ CORES = ("0", "1")
 
 
 def pool_settings(
-    ngram_urls: list[str], off_urls: list[str], data_dir: Path, **extra: Any
+    ngram_urls: list[str],
+    off_urls: list[str],
+    data_dir: Path,
+    classes: tuple[str, ...] = ("code",),
+    **extra: Any,
 ) -> Settings:
     """Two pools of the tiny model: n-gram γ=4 and no speculation (also the e2e loop
-    test's fleet); ``extra`` sets other top-level settings."""
+    test's fleet), the policy learning per class of ``classes``; ``extra`` sets other
+    top-level settings."""
     tuning = dict(NGRAM_TUNING)
     return Settings.model_validate(
         {
             "data_dir": data_dir,
-            "classes": ["code"],
+            "classes": list(classes),
             "policy": {"min_dwell_s": 5.0},
             **extra,
             "fleet": {
@@ -107,18 +119,20 @@ def pool_settings(
 
 
 class ArmTally:
-    """The arms specpilot's gateway served, per phase (it hears every relayed request)."""
+    """The arms specpilot's gateway served, per phase and class (it hears every relayed
+    request): ``"code ngram:4"`` → count."""
 
     def __init__(self) -> None:
         self.phase = 0
         self.counts: list[Counter[str]] = [Counter() for _ in PHASES]
 
     def __call__(self, observation: RequestObservation) -> None:
-        self.counts[self.phase][observation.arm or "unknown"] += 1
+        arm = observation.arm or "unknown"
+        self.counts[self.phase][f"{observation.workload_class} {arm}"] += 1
 
 
 async def play(
-    urls: dict[str, str], tally: ArmTally | None = None
+    urls: dict[str, str], mix: Mix, tally: ArmTally | None = None
 ) -> dict[str, tuple[float, list[dict[str, float]]]]:
     """Run every phase against every target, interleaved; goodput overall and per phase."""
     tokens = {name: [0] * len(PHASES) for name in urls}
@@ -132,7 +146,7 @@ async def play(
             for name in order:
                 started = time.perf_counter()
                 tokens[name][index] += await run_streams(
-                    urls[name], phase.streams, each, seed=index * 100 + slice_ * 10
+                    urls[name], phase.streams, each, seed=index * 100 + slice_ * 10, mix=mix
                 )
                 seconds[name][index] += time.perf_counter() - started
     return {
@@ -148,7 +162,7 @@ async def play(
 
 
 async def play_with_specpilot(
-    settings: Settings, pools: dict[str, list[str]], tally: ArmTally
+    settings: Settings, pools: dict[str, list[str]], mix: Mix, tally: ArmTally
 ) -> dict[str, tuple[float, list[dict[str, float]]]]:
     """Serve a static gateway per config (over all its servers) and specpilot as
     ``serve`` runs it (``controller.runtime``: its gateway routing by the bandit over
@@ -167,7 +181,7 @@ async def play_with_specpilot(
     urls = {name: f"http://127.0.0.1:{server.port}" for name, server in servers.items()}
     urls["specpilot"] = f"http://127.0.0.1:{runtime.gateway_port}"
     try:
-        return await play(urls, tally)
+        return await play(urls, mix, tally)
     finally:
         for server in servers.values():
             await server.close(grace_s=5.0)  # also closes its upstream connections
@@ -181,7 +195,7 @@ def _loopback_socket() -> socket.socket:
     return sock
 
 
-def run_benchmark() -> dict[str, Any]:
+def run_benchmark(mix: Mix = MIX) -> dict[str, Any]:
     env, models = VllmEnvironment.default().ensure(), ModelSet.default()
     models.ensure(env)
     with contextlib.ExitStack() as stack:
@@ -201,11 +215,12 @@ def run_benchmark() -> dict[str, Any]:
             pools["ngram"][:1],
             pools["off"][1:],
             Path(data_dir),  # fresh: learning is billed
+            classes=tuple(dict.fromkeys(workload for workload, _ in mix)),
             actuators={"mode": "routing"},
             scrape_interval_s=0.5,
         )
         tally = ArmTally()
-        played = asyncio.run(play_with_specpilot(settings, pools, tally))
+        played = asyncio.run(play_with_specpilot(settings, pools, mix, tally))
     static = {name: played[name][0] for name in ("ngram", "off")}
     best = max(static, key=lambda name: static[name])
     specpilot = played["specpilot"][0]
@@ -217,13 +232,38 @@ def run_benchmark() -> dict[str, Any]:
         "phases": {name: phases for name, (_, phases) in played.items()},
         "specpilot_arms": [dict(sorted(counts.items())) for counts in tally.counts],
         "workload": [{"streams": p.streams, "requests_each": p.requests_each} for p in PHASES],
+        "mix": [{"class": workload, "temperature": t} for workload, t in mix],
         "batch_tokens": KNEE_TOKENS,
         "servers_per_pool": len(CORES),
     }
 
 
+def parse_mix(text: str) -> Mix:
+    """``code:0,json:1`` → ``(("code", 0.0), ("json", 1.0))``."""
+    mix = []
+    for item in text.split(","):
+        workload, _, temperature = item.strip().partition(":")
+        if workload not in CLASSES:
+            raise argparse.ArgumentTypeError(
+                f"unknown workload class {workload!r}: use one of {', '.join(CLASSES)}"
+            )
+        try:
+            mix.append((workload, float(temperature or 0.0)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: the temperature is not a number") from None
+    return tuple(mix)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=MIX,
+        metavar="CLASS:T,...",
+        help="the requests each stream cycles through, as workload class:temperature "
+        "(default: code:0,json:1; code:0 is the single-class traffic of earlier figures)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -235,7 +275,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_benchmark()
+    result = run_benchmark(args.mix)
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

@@ -80,7 +80,7 @@ def measure(
                         each,
                         max_tokens=max_tokens,
                         seed=streams,
-                        temperature=temperature,
+                        mix=(("code", temperature),),
                     )
                     tokens[name] += asyncio.run(traffic)
                     seconds[name] += time.perf_counter() - started

@@ -161,6 +161,12 @@ def chat_body(
     return body
 
 
+Mix = tuple[tuple[str, float], ...]
+"""Requests as (workload class, sampling temperature); a stream cycles through them."""
+
+CODE_GREEDY: Mix = (("code", 0.0),)
+
+
 async def run_streams(
     base_url: str | Callable[[], str],
     count: int,
@@ -168,11 +174,12 @@ async def run_streams(
     *,
     max_tokens: int = 48,
     seed: int = 0,
-    temperature: float = 0.0,
+    mix: Mix = CODE_GREEDY,
 ) -> int:
-    """``count`` closed-loop streams of ``requests_each`` code completions each, labelled
-    ``X-Workload-Class: code``; returns the completion tokens generated. Stream i sends
-    the same prompts in every run with the same ``seed``, so runs compare like for like
+    """``count`` closed-loop streams of ``requests_each`` completions each, request i of
+    stream s from ``mix[(s + i) % len(mix)]`` and labelled with its class
+    (``X-Workload-Class``); returns the completion tokens generated. Stream s sends the
+    same prompts in every run with the same ``seed``, so runs compare like for like
     (sampled ones draw from the server's seeded generator). ``base_url`` may be a
     function, asked before every request, for a server that moves (a managed pool's
     new instance, as a Kubernetes Service would follow it)."""
@@ -185,11 +192,14 @@ async def run_streams(
         async with httpx.AsyncClient(timeout=300.0) as client:
             for i in range(requests_each):
                 number = seed + index * 1000 + i
+                workload, temperature = mix[(index + i) % len(mix)]
                 # No per-request seed: vLLM-CPU's engine dies on a seeded request under
                 # speculation ("CPU Generator does not use offset"), docs/testbed.md.
-                body = completion_body(code_prompt(number), max_tokens, temperature=temperature)
+                body = class_body(workload, number, max_tokens, temperature)
                 response = await client.post(
-                    f"{url()}/v1/completions", json=body, headers={"X-Workload-Class": "code"}
+                    f"{url()}{class_path(workload)}",
+                    json=body,
+                    headers={"X-Workload-Class": workload},
                 )
                 response.raise_for_status()
                 tokens += int(response.json()["usage"]["completion_tokens"])
