@@ -11,6 +11,7 @@ from typing import Any
 
 from testbed.environment import ModelSet, VllmEnvironment
 from testbed.server import SPEC_FORMS, VllmServer, parse_spec
+from testbed.traffic import CLASSES
 
 
 def register(subparsers: Any) -> None:
@@ -64,6 +65,18 @@ def register(subparsers: Any) -> None:
         type=float,
         default=[0.0],
         help="sampling temperatures to try (default: 0, greedy)",
+    )
+    knee.add_argument(
+        "--workload",
+        nargs="*",
+        choices=CLASSES,
+        default=["code"],
+        help="workload classes to try (testbed/traffic.py; default: code)",
+    )
+    knee.add_argument(
+        "--spec",
+        default="ngram:4",
+        help="the speculating server's config, as for 'serve --spec' (default: ngram:4)",
     )
     knee.add_argument("--json", action="store_true", help="print the points as JSON")
     knee.set_defaults(func=_knee)
@@ -136,10 +149,23 @@ def _methods(args: argparse.Namespace) -> int:
 def _knee(args: argparse.Namespace) -> int:
     from testbed.knee import as_json, measure, report
 
+    if args.spec == "off":
+        raise SystemExit("testbed knee: --spec must speculate (off is what it compares with)")
     env, models = ensure_all()
+    try:
+        parse_spec(args.spec, models)  # before any server starts
+    except ValueError as exc:
+        raise SystemExit(f"testbed knee: {exc}") from None
     points = []
     for budget in args.batch_tokens:
         tokens = None if budget == "default" else int(budget)
-        points += measure(env, models, tokens, temperatures=tuple(args.temperature))
+        points += measure(
+            env,
+            models,
+            tokens,
+            temperatures=tuple(args.temperature),
+            workloads=tuple(args.workload),
+            spec=args.spec,
+        )
     print(as_json(points) if args.json else report(points))
     return 0
