@@ -1,31 +1,32 @@
 """Window statistics of a fleet that Prometheus already scrapes, via its HTTP query API.
 
-Instead of scraping every worker itself, specpilot asks Prometheus for the increases
-over a range (``increase()``; figures per second are ``rate()`` = increase / range) and
-for the gauges' ``avg_over_time``/``max_over_time``/``last_over_time``, all in one
+Instead of scraping every worker itself, specpilot asks Prometheus for each counter's
+increase over a range (figures per second are that increase / range) and for the
+gauges' ``avg_over_time``/``max_over_time``/``last_over_time``, all in one
 round of instant queries at time ``at`` that each cover the whole fleet. The answers
 are assembled by ``collectors.window.assemble_window``, the same code the direct scrape
 uses, into one ``WorkerWindow`` per worker (Prometheus' ``instance`` label by default).
 
 How the figures relate to a direct scrape of the same worker:
 
-- Ratios (acceptance rate, mean acceptance length, per-position acceptance, proposed
-  tokens per draft), latency quantiles and means agree within rounding: Prometheus
-  extrapolates every series of one target by the same factor, which cancels. Except
-  where a counter's first sample in the range is small against its increase (a worker
-  that started shortly before the range): ``increase()`` then stops extrapolating that
-  series where it would cross zero, a limit that differs per series, and a ratio moves
-  by a few percent (seen: mean acceptance length 4.55 against the scrape's 4.44 in the
-  range after a test server's first requests). Exact differences of the samples at the
-  range ends (``x - x offset R``) would not; not done yet.
-- Counts (``drafts``, ``accepted_tokens``…) are Prometheus' extrapolated increases over
-  exactly the range, so they are not whole numbers and differ from the difference of two
-  scrapes by that factor.
-- Restarts: ``increase()`` adds the old process' part; to match the direct scrape
-  (new process only), a worker whose ``process_start_time_seconds`` changed, or whose
-  counters reset, is queried again over the time since its new process started, and
-  flagged ``reset=True``. Without ``process_start_time_seconds`` the figures keep
-  Prometheus' semantics (both processes) and are flagged all the same.
+- Counts (``drafts``, ``accepted_tokens``…) are exact: the sample at ``at`` less the
+  last one at or before ``at - range`` (``x - x offset R``), the difference of two
+  scrapes, as the direct scrape computes it. So ratios (acceptance rate, mean
+  acceptance length, per-position acceptance, proposed tokens per draft), latency
+  quantiles and means agree with a direct scrape of the same two scrapes exactly. The
+  span is that of the two samples, up to a scrape interval longer than the range;
+  figures per second divide by the range. Where a series has no sample at or before the
+  range's start (a worker Prometheus found inside the range), the count is
+  ``increase()``'s instead: extrapolated to the range, not a whole number, and, where a
+  counter's first sample in the range is small against its increase, stopped where it
+  would cross zero at a limit that differs per series, so a ratio can move by a few
+  percent.
+- Gauges are the ``*_over_time`` of the samples inside the range.
+- Restarts: a worker whose ``process_start_time_seconds`` changed, or whose counters
+  reset, since that earlier sample is read from its new process only, as the direct
+  scrape reads it: each counter's value, over the time since the new process started;
+  flagged ``reset=True``. Without ``process_start_time_seconds`` the counts are
+  ``increase()``'s (both processes, Prometheus' semantics), flagged all the same.
 - The max of running/waiting summed over several engines of one worker is the sum of
   the engines' maxima (an upper bound); a vLLM worker usually has one engine.
 """
@@ -36,6 +37,7 @@ import asyncio
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import httpx
 
@@ -75,6 +77,13 @@ class PrometheusError(RuntimeError):
     """Prometheus could not be asked or refused a query; the message is one line."""
 
 
+Counts = Literal["difference", "since_start", "increase"]
+"""How a round counts a counter's events in its range: ``difference``, the sample at the
+range's end less the last one at or before its start (exact; Prometheus' ``increase()``
+where there is none before the start); ``since_start``, the counter's value (a process
+that started inside the range); ``increase``, Prometheus' own (across a reset whose
+restart time is unknown)."""
+
 Labels = Mapping[str, str]
 Vector = list[tuple[Labels, float]]
 
@@ -110,18 +119,27 @@ class PrometheusReader:
                 continue
             started = start_of.get(worker)
             since_start = None if started is None else at - started
-            if since_start is None or not 0 < since_start < range_s:
-                windows[worker] = results.window(worker, range_s, reset=True)
-                continue
             only = _and(self.selector, f'{self.worker_label}="{_escape(worker)}"')
-            again = await self._round(only, since_start, at)
+            if since_start is None or not 0 < since_start < range_s:
+                again = await self._round(only, range_s, at, "increase")
+                windows[worker] = again.window(worker, range_s, reset=True)
+                continue
+            again = await self._round(only, since_start, at, "since_start")
             windows[worker] = again.window(worker, since_start, reset=True)
         return windows
 
     async def _restarted(self, range_s: float, at: float) -> set[str]:
         sel, window = self._braces(self.selector), _range(range_s)
-        queries = [f"changes({PROCESS_START_TIME}{sel}[{window}])"]
-        queries += [f"resets({name}_total{sel}[{window}])" for name in _RESET_COUNTERS]
+        start = f"{PROCESS_START_TIME}{sel}"
+        # The exact difference reaches back to the last sample at or before the range's
+        # start: a restart between it and the range's first sample counts too.
+        queries = [f"changes({start}[{window}])", f"{start} != bool {start} offset {window}"]
+        for name in _RESET_COUNTERS:
+            counter = f"{name}_total{sel}"
+            queries += [
+                f"resets({counter}[{window}])",
+                f"{counter} < bool {counter} offset {window}",
+            ]
         vectors = await asyncio.gather(*(self._vector(query, at) for query in queries))
         return {
             labels.get(self.worker_label, "")
@@ -130,17 +148,26 @@ class PrometheusReader:
             if value > 0
         }
 
-    async def _round(self, selector: str, range_s: float, at: float) -> _Results:
+    async def _round(
+        self, selector: str, range_s: float, at: float, counts: Counts = "difference"
+    ) -> _Results:
         sel, window = self._braces(selector), _range(range_s)
+
+        def count(series: str) -> str:
+            plain = f"{series}{sel}"
+            if counts == "since_start":
+                return plain
+            if counts == "increase":
+                return f"increase({plain}[{window}])"
+            return f"({plain} - {plain} offset {window}) or increase({plain}[{window}])"
+
         queries: dict[tuple[str, str], str] = {}
         for name in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS):
-            queries[(name, "increase")] = f"increase({name}_total{sel}[{window}])"
-        queries[(GENERATION_TOKENS, "increase")] = (
-            f"increase({GENERATION_TOKENS}_total{sel}[{window}])"
-        )
+            queries[(name, "increase")] = count(f"{name}_total")
+        queries[(GENERATION_TOKENS, "increase")] = count(f"{GENERATION_TOKENS}_total")
         for name in _HISTOGRAMS:
             for part in ("bucket", "count", "sum"):
-                queries[(name, part)] = f"increase({name}_{part}{sel}[{window}])"
+                queries[(name, part)] = count(f"{name}_{part}")
         for name in _GAUGES:
             for function in _GAUGE_FUNCTIONS:
                 queries[(name, function)] = f"{function}({name}{sel}[{window}])"

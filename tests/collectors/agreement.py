@@ -1,8 +1,9 @@
 """Assertions and readers for comparing the Prometheus reader with a direct scrape.
 
 Shared by the tests against loopback servers and those against a real vLLM: both sides
-must agree "within rounding" on ratios, quantiles and means (Prometheus extrapolates
-every series of a target by the same factor, which cancels in them).
+must agree "within rounding" on ratios, quantiles and means (the reader's counts are
+exact differences of two scrapes, or extrapolated by one factor per target, which
+cancels in them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ EXACT = 1e-9
 
 def assert_same_ratios(read: WindowStats, direct: WindowStats) -> None:
     """The figures a Prometheus reader and a direct scrape must agree on within rounding:
-    spec-decode ratios, latency quantiles and means (Prometheus' extrapolation cancels)."""
+    spec-decode ratios, latency quantiles and means."""
     if direct.spec is None:
         assert read.spec is None
     else:

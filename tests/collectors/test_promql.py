@@ -155,22 +155,21 @@ def test_reader_agrees_with_the_direct_window_over_the_same_scrapes(fleet: Fleet
     snapshots = [parse_exposition(page) for page in fleet.growing_pages]
     drafts_of = [next(iter(s.engines.values())).spec.drafts for s in snapshots]  # type: ignore[union-attr]
     first, last = drafts_of.index(drafts_seen[0]), drafts_of.index(drafts_seen[-1])
-    assert last - first >= 2
+    assert first >= 1 and last - first >= 2
+    # Counts: from the last scrape at or before the range's start to the last in it.
+    # Gauges: the scrapes inside the range.
     in_range = snapshots[first : last + 1]
-    direct = worker_window(in_range[0], in_range[-1], [gauge_reading(s) for s in in_range]).total
+    direct = worker_window(
+        snapshots[first - 1], in_range[-1], [gauge_reading(s) for s in in_range]
+    ).total
 
     assert not read.reset
     assert_same_ratios(read, direct)
     assert read.spec is not None and direct.spec is not None
-    # Counts are Prometheus' extrapolated increases: the same factor for every series.
-    factor = read.spec.drafts / direct.spec.drafts
-    assert factor >= 1.0
-    assert read.spec.accepted_tokens == pytest.approx(
-        direct.spec.accepted_tokens * factor, rel=EXACT
-    )
-    assert read.generation_tokens == pytest.approx(
-        (direct.generation_tokens or 0) * factor, rel=EXACT
-    )
+    assert read.spec.drafts == direct.spec.drafts  # exact: whole numbers, no extrapolation
+    assert read.spec.accepted_tokens == direct.spec.accepted_tokens
+    assert read.spec.accepted_per_position == direct.spec.accepted_per_position
+    assert read.generation_tokens == direct.generation_tokens
     assert read.running.mean == pytest.approx(sum(running_seen) / len(running_seen))
     assert read.running.max == max(running_seen) and read.running.latest == running_seen[-1]
     assert read.running.samples == len(running_seen) == len(in_range)
@@ -199,6 +198,30 @@ def test_restart_in_the_range_is_flagged_and_read_from_the_new_process_only(
     )
     at = time.time()
     read = read_windows(fleet.prometheus.url, 60.0, at)[instance]
+
+    switched_at = fleet.restarting_route.switched_at
+    assert switched_at is not None
+    assert read.reset
+    assert read.spec is not None
+    assert read.spec.acceptance_rate == pytest.approx(12 / 40, rel=EXACT)
+    assert read.duration_s == pytest.approx(at - switched_at, abs=1e-3)
+
+
+def test_restart_just_before_the_range_is_flagged_too(fleet: Fleet) -> None:
+    """The exact count reaches back to the last sample before the range: when the
+    restart falls between it and the range's first sample, no reset shows inside the
+    range, and the reader must still read the new process alone."""
+    instance = Fleet.instance(fleet.restarting)
+    selector = f'vllm:spec_decode_num_drafts_total{{instance="{instance}"}}'
+    fleet.prometheus.wait_for(f"count_over_time({selector}[1h]) >= 8")
+    samples = fleet.prometheus.query(f"{selector}[1h]")[0]["values"]
+    assert isinstance(samples, list)
+    values = [float(value) for _, value in samples]
+    restart = next(i for i in range(1, len(values)) if values[i] < values[i - 1])
+    first_new = float(samples[restart][0])
+    at, range_s = first_new + 1.2, 1.3  # the range starts 0.1 s before the first new sample
+    assert float(samples[restart - 1][0]) <= at - range_s < first_new
+    read = read_windows(fleet.prometheus.url, range_s, at)[instance]
 
     switched_at = fleet.restarting_route.switched_at
     assert switched_at is not None

@@ -1,8 +1,9 @@
 """The collectors on a real vLLM: counters, per-request metrics and Prometheus agree.
 
 A server of its own (``ngram:3``, used by no other test) so its counters start at zero
-while Prometheus watches: then Prometheus extrapolates every series by the same factor and
-ratios must agree within rounding.
+while Prometheus watches: Prometheus has a sample at or before the range's start to count
+from, or extrapolates every series by the same factor from zero, and ratios must agree
+within rounding either way.
 """
 
 from __future__ import annotations
