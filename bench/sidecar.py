@@ -67,7 +67,7 @@ async def play(url: Any, seed: int = 0) -> list[dict[str, float]]:
             phase.streams,
             phase.requests_each,
             seed=seed + 100_000 * index,
-            temperature=phase.temperature,
+            mix=(("code", phase.temperature),),
         )
         seconds = time.perf_counter() - started
         figures.append({"streams": phase.streams, "tokens": tokens, "seconds": seconds})
