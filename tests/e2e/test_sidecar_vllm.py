@@ -241,7 +241,7 @@ def test_managed_pool_turns_off_when_sampled_traffic_gives_ngram_nothing(tmp_pat
                 )
                 try:
                     await run_streams(
-                        current, count=1, requests_each=4, seed=sampled, temperature=0.8
+                        current, count=1, requests_each=4, seed=sampled, mix=(("code", 0.8),)
                     )
                 except httpx.HTTPError as exc:
                     failures.append(f"{type(exc).__name__}: {exc}")

@@ -13,7 +13,7 @@ import pytest
 from controller.gateway.app import Gateway
 from controller.gateway.routing import Fleet, Pool
 from testbed.server import VllmServer, free_port
-from testbed.traffic import chat_body, code_prompt, completion_body
+from testbed.traffic import PROSE_PROMPTS, chat_body, code_prompt, completion_body
 from tests.conftest import VllmServers
 from tests.gateway.conftest import RunningGateway, gateway_runner, wait_until
 
@@ -160,8 +160,11 @@ def test_stream_observation_reconciles_with_vllm_counters(
 def test_client_disconnect_aborts_the_vllm_request(
     server: VllmServer, gateway: RunningGateway
 ) -> None:
+    # Sampled prose: n-gram finds next to nothing to draft, so the request runs at about
+    # a token per step and takes several times longer than the abort needs, even on a
+    # loaded machine (greedy code, ~4.7 tokens per step, finished first there once).
     max_tokens = 800
-    body = completion_body(code_prompt(1), max_tokens, stream=True)
+    body = completion_body(PROSE_PROMPTS[0], max_tokens, stream=True, temperature=1.0)
     running = "vllm:num_requests_running"
     with httpx.Client(timeout=120.0) as metrics:
         tokens_before = metric(metrics, server, "vllm:generation_tokens_total")
