@@ -64,7 +64,27 @@ CPU_EXPAND = Patch(
 uninitialised memory: acceptance 0 at any temperature above 0 and output that is not
 the target's distribution (docs/testbed.md, "Sampling under speculation")."""
 
-PATCHES = (CPU_EXPAND,)
+SHM_BUSY_LOOP = Patch(
+    name="shm-busy-loop-window",
+    upstream="https://github.com/vllm-project/vllm/pull/52814 (idle spin: issue 19036)",
+    file="vllm/distributed/device_communicators/shm_broadcast.py",
+    original="""            # Time to keep busy-looping on the shm buffer before going idle
+            self.busy_loop_s = busy_loop_s
+""",
+    fixed="""            # Time to keep busy-looping on the shm buffer before going idle
+            # specpilot testbed, vllm#52814: configurable, vLLM's default unchanged.
+            self.busy_loop_s = float(
+                os.environ.get("VLLM_SHM_BROADCAST_BUSY_LOOP_S", busy_loop_s)
+            )
+""",
+)
+"""vLLM's worker and engine core spin (``sched_yield``) for a second after every message
+before they park. On a GPU server that costs an otherwise idle host core; on the testbed,
+where every engine is bound to core 0, the engine that served last spins on the core the
+next one computes on: a request to one pool right after a request to the other waited
+0.4–1 s for its first token instead of 20–50 ms (``testbed.server``, ``SHM_BUSY_LOOP_S``)."""
+
+PATCHES = (CPU_EXPAND, SHM_BUSY_LOOP)
 
 
 class PatchMismatch(RuntimeError):

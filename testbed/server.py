@@ -91,6 +91,13 @@ Servers for load-dependent tests and ``bench loop`` pass ``batch_tokens=KNEE_TOK
 """
 
 
+SHM_BUSY_LOOP_S = 0.002
+"""How long an engine's processes spin after a message before they park (vLLM: 1 s,
+``testbed.patches.SHM_BUSY_LOOP``). Engine steps arrive within it while a server decodes;
+an idle server parks at once instead of taking core 0, which every testbed engine shares,
+from the one that has work for a second."""
+
+
 class VllmServer:
     """One real vLLM OpenAI-compatible server; use as a context manager.
 
@@ -192,6 +199,7 @@ class VllmServer:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "PYTHONUNBUFFERED": "1",
+            "VLLM_SHM_BROADCAST_BUSY_LOOP_S": str(SHM_BUSY_LOOP_S),
         }
         if self.cpus is not None:
             environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
