@@ -91,11 +91,13 @@ Servers for load-dependent tests and ``bench loop`` pass ``batch_tokens=KNEE_TOK
 """
 
 
-SHM_BUSY_LOOP_S = 0.002
+SHM_BUSY_LOOP_S = 0.02
 """How long an engine's processes spin after a message before they park (vLLM: 1 s,
-``testbed.patches.SHM_BUSY_LOOP``). Engine steps arrive within it while a server decodes;
-an idle server parks at once instead of taking core 0, which every testbed engine shares,
-from the one that has work for a second."""
+``testbed.patches.SHM_BUSY_LOOP``). A decoding server's steps come well within it, so
+it never parks mid-request; an idle one parks after 20 ms instead of taking core 0,
+which every testbed engine shares, from the one that has work for a second. Not
+shorter: at 2 ms the processes park between steps, and 3 of 64 requests stalled 5 s
+(vLLM's recheck interval) on a wake-up that never came (docs/testbed.md)."""
 
 
 class VllmServer:
