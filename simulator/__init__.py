@@ -10,6 +10,5 @@
 * :mod:`simulator.run` — the fast in-process mode: closed-loop streams of one scenario
   served by one policy (``simulate``);
 * :mod:`simulator.truth` — the true figures of a scenario at a moment (for the oracle);
-* :mod:`simulator.calibration` — the published anchors and how the model meets them;
 * :mod:`simulator.generate` — random plausible scenarios for tests on unseen fleets.
 """

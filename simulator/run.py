@@ -15,7 +15,7 @@ from simulator.scenario import Scenario
 
 class Batching(Protocol):
     """What ``simulate`` drives: one :class:`Engine`, or one per arm
-    (:class:`simulator.pools.PerArmEngines`)."""
+    (tests/policies/test_policy_routing.py ``PerArmEngines``)."""
 
     now: float
 

@@ -14,12 +14,50 @@ from policies.arms import OFF, Arm, Context
 from policies.bandit import BanditConfig, SpecPilotPolicy
 from policies.base import Clock
 from policies.baselines import StaticPolicy
-from policies.fleet import Topology
-from simulator.pools import PerArmEngines
+from policies.fleet import CostParams, Topology
+from simulator.engine import Completion, Engine, SimRequest
 from simulator.run import RunResult, simulate
 from simulator.scenario import Scenario
 
 NGRAM = Arm("ngram", 4)
+
+
+class PerArmEngines:
+    """One batch per arm, each stepping at the cost of its own composition."""
+
+    def __init__(self, cost: CostParams, model_name: str, position_decay: float) -> None:
+        self.cost = cost
+        self.model_name = model_name
+        self.position_decay = position_decay
+        self.now = 0.0
+        self.engines: dict[Arm, Engine] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return sum(engine.in_flight for engine in self.engines.values())
+
+    def emitted_tokens(self) -> int:
+        return sum(engine.emitted_tokens() for engine in self.engines.values())
+
+    def add(self, request: SimRequest, arm: Arm, concurrency: int | None = None) -> None:
+        engine = self.engines.get(arm)
+        if engine is None:
+            engine = self.engines[arm] = Engine(self.cost, self.model_name, self.position_decay)
+        if not engine.in_flight:
+            engine.now = max(engine.now, self.now)
+        engine.add(request, arm, concurrency)
+
+    def advance(self, until: float) -> list[Completion]:
+        """Advance every busy engine to the first finish anywhere, or to ``until``."""
+        busy = [engine for engine in self.engines.values() if engine.in_flight]
+        target = min([until, *(engine.next_finish_at() for engine in busy)])
+        finished: list[Completion] = []
+        for engine in busy:
+            if engine.now < target:
+                finished.extend(engine.advance(target))
+        ends = [c.observation.finished_at or target for c in finished]
+        self.now = max([self.now, target, *ends])
+        return finished
 
 
 def routing_world() -> Scenario:
