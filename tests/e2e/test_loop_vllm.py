@@ -137,6 +137,9 @@ def run_loop(vllm_servers: VllmServers, tmp_path: Path, phases: list[Phase]) -> 
                     await run_streams(url, count=phase.streams, requests_each=CHUNK, seed=sent)
                     sent += CHUNK
                 settled.append(where(phase))
+                # Captured, and shown by pytest only for a failed test: every request of
+                # the phase, which the assertion message cuts short.
+                print(f"{phase}: {settled[-1]}")
         finally:
             await runtime.stop(grace_s=5.0)
         return settled
