@@ -86,9 +86,7 @@ class BanditConfig:
     cost (up to ``first_probe_max_cost``): until the proposer ran for the class, that
     price is the prior's guess at its acceptance (0.5), and a proposer that suits the
     class (an EAGLE head at 0.87 where n-gram gets 0.77) would otherwise never be seen
-    at all. A class with no commitment yet (none of its requests has come back) probes
-    them unpriced (``Exploration.first_probes``). One request's per-position counts
-    already place its acceptance (they
+    at all. One request's per-position counts already place its acceptance (they
     count as up to ``trials_per_request`` trials); asking for two made the first
     minutes cost more than the second request told (0.963 of the oracle on average
     over the bound check's scenarios against 0.966)."""

@@ -197,21 +197,6 @@ class Exploration:
                 out.append((probe, min(every, earned / (costly * cost)), "probe"))
         return tuple(out)
 
-    def first_probes(self, context: Context) -> tuple[tuple[Arm, float, str], ...]:
-        """What a context with no commitment yet explores: each proposer its class has
-        not run, on ``first_probe_share`` of its requests. A class has no commitment
-        until one of its requests has finished and its bucket was planned since (a
-        long request at low load: tens of seconds), and serving it off all that time
-        learns nothing of its acceptance; at 600 s of two streams that cost up to 5 %
-        of the oracle's goodput (``specpilot bench policy --random 5 --duration 600``).
-        Unpriced, as nothing is planned for the class yet; each re-plan of the bucket
-        drops the proposers whose first request has come back."""
-        return tuple(
-            (Arm(p, min(self.gammas[p])), self.config.first_probe_share, "probe")
-            for p in self.proposers
-            if self.unseen(context.model, context.workload_class, p)
-        )
-
     def unseen(self, model: str, workload_class: str, proposer: str) -> bool:
         """Whether a class × proposer acceptance still rests on fewer requests than
         ``BanditConfig.first_probes``: its price is the prior's guess, not evidence."""

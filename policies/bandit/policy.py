@@ -228,7 +228,7 @@ class SpecPilotPolicy:
             return Route(override.arm, "override")
         commitment = self.commitment.commitments.get(context)
         if commitment is None:
-            return Route(OFF, "learning", explore=self.exploration.first_probes(context))
+            return Route(OFF, "learning")
         plan = self.planner.plans.get((context.model, context.bucket))
         return Route(
             commitment.arm,

@@ -239,17 +239,3 @@ def test_at_a_pinned_knee_a_probe_must_surely_pay_for_itself() -> None:
     mean, sure = costs
     assert mean < 0.0 < sure
     assert probed == [[NGRAM2] * 4, []]
-
-
-def test_a_class_with_no_commitment_yet_probes_the_proposers_it_never_ran() -> None:
-    """Before any request of a class has finished there is no plan for it; its first
-    requests still try each proposer, rather than all running off until one comes back."""
-    clock = _Clock()
-    policy = SpecPilotPolicy(
-        [EAGLE1, NGRAM2], clock=clock, rng=np.random.default_rng(0), config=BanditConfig()
-    )
-    context = Context(MODEL, "code", "1")
-    served = [policy.choose(context) for _ in range(6)]
-    assert {d.arm for d in served if d.explored} == {EAGLE1, NGRAM2}
-    assert all(d.reason == "probe" for d in served if d.explored)
-    assert policy.decide(context).reason == "learning"
