@@ -14,9 +14,9 @@ The reward of an arm for a context is the per-token latency speed-up of that cla
 relative to no speculation at the same concurrency, as the fleet model predicts it;
 because classes share a batch, the arms of all classes in a bucket are chosen jointly
 (:func:`policies.fleet.best_assignment`). Thompson sampling draws plausible acceptances
-and drafting costs from their posteriors and explores the arm that world prefers (the
-knee at its mean: see ``Planner.plan``). Evidence is discounted with a half-life so the bandit keeps
-adapting, and a CUSUM change detector per class ×
+from their posteriors and explores the arm that world prefers (at the mean step cost:
+see ``_plan``); evidence is discounted with a
+half-life so the bandit keeps adapting, and a CUSUM change detector per class ×
 proposer resets acceptance that went stale. The step cost's knee can only be seen by
 running past it: where every batch so far stayed below it, the cost model puts it at the
 edge of what was seen, and knee trials (``_start_trial``) now and then run a bucket one

@@ -9,7 +9,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from collectors.observations import RequestObservation, SpecDecodeRequestStats, WindowObservation
@@ -22,7 +22,7 @@ from policies.estimators import (
     ChangeEvent,
     StepCostModel,
 )
-from policies.fleet import FloatArray, engine_of
+from policies.fleet import engine_of
 
 _OVERHEAD_WINDOW = 64
 """Requests whose time outside vLLM's decode sets the median that caps it."""
@@ -61,17 +61,6 @@ def steps_taken(spec: SpecDecodeRequestStats, output_tokens: int | None) -> int 
     return max(spec.num_drafts, output_tokens - accepted)
 
 
-@dataclass(frozen=True, slots=True)
-class _Charge:
-    """A request's step-cost evidence from its end-to-end time, before the cap."""
-
-    rows: FloatArray
-    decode_s: float
-    overhead_s: float
-    steps: int
-    at: float
-
-
 class Learning:
     """Everything learned from evidence, with the bookkeeping that attributes it."""
 
@@ -87,10 +76,6 @@ class Learning:
         self.token_shares: dict[str, dict[str, float]] = {}
         self.shares_at: dict[str, float] = {}
         self.overheads: dict[str, deque[float]] = {}
-        self.uncharged: dict[str, list[_Charge]] = {}
-        """Per model: its first requests' step costs, until the overhead cap has a
-        median to go by (see :meth:`_learn_charged`). Not saved: at most a couple of
-        requests, from before the model's cost fit is used at all."""
         """Per model: recent requests' end-to-end time outside vLLM's decode (seconds)."""
         self.bucket_concurrency: dict[tuple[str, str], float] = {}
         self.pending_concurrency: dict[str, tuple[float, list[str]]] = {}
@@ -318,30 +303,23 @@ class Learning:
         # A gateway's end-to-end time is what the client paid, queueing and prefill
         # included (where an engine is past its capacity, waiting is the cost); vLLM's
         # own decode time per step is the fallback.
-        e2e_s = observation.e2e_s
-        if e2e_s is not None and e2e_s > 0:
-            duration = e2e_s
+        if observation.e2e_s is not None and observation.e2e_s > 0:
+            duration = observation.e2e_s
+            per_step = self._charged_e2e(model, observation) / steps
         elif observation.generation_time_s is not None and observation.generation_time_s > 0:
             duration = observation.generation_time_s
+            per_step = duration / (steps - 1)
         else:
             return
         end = observation.finished_at if observation.finished_at is not None else now
         rows = tracker.mean_rows(end - duration, end)
         if rows is None:
             return
-        if e2e_s is None or e2e_s <= 0:
-            self.cost_model(model).update(rows, duration / (steps - 1), now)
-            return
-        decode = observation.generation_time_s
-        if decode is None or not 0.0 < decode <= e2e_s:
-            self.cost_model(model).update(rows, e2e_s / steps, now)
-            return
-        self._learn_charged(model, _Charge(rows, decode, e2e_s - decode, steps, now))
+        self.cost_model(model).update(rows, per_step, now)
 
-    def _learn_charged(self, model: str, charge: _Charge) -> None:
-        """Learn a request's step cost from its end-to-end time, with its part outside
-        vLLM's decode capped at ``_OVERHEAD_CAP`` times the median of the model's last
-        ``_OVERHEAD_WINDOW``.
+    def _charged_e2e(self, model: str, observation: RequestObservation) -> float:
+        """A request's end-to-end time with its part outside vLLM's decode capped at
+        ``_OVERHEAD_CAP`` times the median of the model's last ``_OVERHEAD_WINDOW``.
 
         That part (queueing, prefill, the hops to and from the engine) is charged
         because past an engine's capacity it is where speculation's cost shows, and it
@@ -351,29 +329,21 @@ class Learning:
         waited 1.8 s for its kernels to compile (40 ms otherwise), and that one
         request, spread over 16 verify steps, outweighed twenty normal ones in the
         step-cost fit and kept a 1.7× faster arm off (tests/e2e/test_loop_vllm.py).
-
-        The model's first ``_OVERHEAD_MIN_SEEN`` requests wait until there are that many
-        to take a median of (the fit is not used before it holds that many anyway), so
-        that a cold engine's first request is capped even when it is the model's first.
         """
+        e2e_s = observation.e2e_s
+        assert e2e_s is not None
+        decode = observation.generation_time_s
+        if decode is None or not 0.0 < decode <= e2e_s:
+            return e2e_s
+        overhead = e2e_s - decode
         recent = self.overheads.setdefault(model, deque(maxlen=_OVERHEAD_WINDOW))
-        if len(recent) >= _OVERHEAD_MIN_SEEN:
-            cap = _OVERHEAD_CAP * statistics.median(recent)
-            recent.append(charge.overhead_s)
-            self._charge(model, charge, cap)
-            return
-        recent.append(charge.overhead_s)
-        waiting = self.uncharged.setdefault(model, [])
-        waiting.append(charge)
-        if len(recent) >= _OVERHEAD_MIN_SEEN:
-            cap = _OVERHEAD_CAP * statistics.median(recent)
-            for held in waiting:
-                self._charge(model, held, cap)
-            waiting.clear()
-
-    def _charge(self, model: str, charge: _Charge, cap: float) -> None:
-        per_step = (charge.decode_s + min(charge.overhead_s, cap)) / charge.steps
-        self.cost_model(model).update(charge.rows, per_step, charge.at)
+        cap = (
+            _OVERHEAD_CAP * statistics.median(recent)
+            if len(recent) >= _OVERHEAD_MIN_SEEN
+            else math.inf
+        )
+        recent.append(overhead)
+        return decode + min(overhead, cap)
 
     def _learn_mix(self, model: str, cls: str, observation: RequestObservation, now: float) -> None:
         shares = self.token_shares.setdefault(model, {})

@@ -151,36 +151,23 @@ class Planner:
             concurrency, shares, mean_tokens, self.arms, mean_cost, committed, topology=topology
         )
         guarded, unsafe = self.guard(concurrency, shares, best, drawn_e, worlds)
-        # Exploration samples acceptance, and each proposer's drafting cost: an arm
-        # whose first requests ran slow for a reason of their own (a fresh engine
-        # compiling its kernels) is priced high by the mean, and would never be tried
-        # again if only its acceptance were sampled. The knee stays at its mean:
-        # sampling it would send requests, at high load, to worlds where the knee is
-        # far above anything seen, and every such request slows the whole batch; the
-        # cost model learns from every request anyway, and the guard still uses its
-        # posterior draws.
-        sampled_cost = dataclasses.replace(mean_cost, draft_cost=cost_draws[0].draft_cost)
+        # Exploration samples acceptance only. Sampling the cost model too would send
+        # requests, at high load, to worlds where the knee is far above anything seen,
+        # and every such request slows the whole batch; the cost model learns from
+        # every request anyway, and the guard still uses its posterior draws.
         thompson = best_assignment(
-            concurrency,
-            shares,
-            first_draw_tokens,
-            self.arms,
-            sampled_cost,
-            guarded,
-            topology=topology,
+            concurrency, shares, first_draw_tokens, self.arms, mean_cost, guarded, topology=topology
         )
-        # Exploring is allowed only where being wrong about the knee is cheap. It is
-        # known to a grid cell at best: the data cannot tell a knee just above the
-        # batch's operating point from one just below, so these checks place each
+        # Exploring is allowed only where being wrong about the cost is cheap. The
+        # knee is known to a grid cell at best: the data cannot tell a knee just above
+        # the batch's operating point from one just below, so these checks place each
         # draw's knee anywhere within its cell.
         cell = KNEE_CELL ** rng.uniform(-0.5, 0.5, len(worlds.knee_tokens))
         blurred = dataclasses.replace(worlds, knee_tokens=worlds.knee_tokens * cell)
-        sampled_world = CostDraws.stack([sampled_cost] * len(cell))
-        blurred_sampled = dataclasses.replace(
-            sampled_world, knee_tokens=sampled_world.knee_tokens * cell
-        )
+        mean_world = CostDraws.stack([mean_cost] * len(cell))
+        blurred_mean = dataclasses.replace(mean_world, knee_tokens=mean_world.knee_tokens * cell)
         thompson = self.exploration.affordable_exploration(
-            model, concurrency, shares, guarded, thompson, drawn_e, blurred_sampled
+            model, concurrency, shares, guarded, thompson, drawn_e, blurred_mean
         )
         plan = self.plans[(model, bucket)] = _Plan(
             now,

@@ -92,7 +92,7 @@ def warm(server: VllmServer) -> None:
     """One request straight to ``server``: a fresh n-gram engine compiles its kernels on
     its first request (1.8-2 s to the first token, against 30-60 ms after), a one-off of
     the testbed's fresh servers, not of either arm. The policy caps what such a request
-    costs (``Learning._learn_charged``, tested on recorded figures in
+    costs (``_charged_e2e``, tested on recorded figures in
     tests/policies/test_policy_gateway_observations.py); here it is kept out of the
     loop so that the probes the test judges by are steady-state ones."""
     body = completion_body(code_prompt(999), 8)

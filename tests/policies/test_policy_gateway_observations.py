@@ -9,7 +9,6 @@ fresh n-gram engine waited 1.8 s for its kernels to compile.
 from __future__ import annotations
 
 import math
-import statistics
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import policies.bandit.learning as bandit_learning
 from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from policies.arms import OFF, Arm, Context
 from policies.bandit import BanditConfig, SpecPilotPolicy, steps_taken
-from policies.bandit.learning import _Charge
 
 NGRAM = Arm("ngram", 4)
 CONTEXT = Context("tiny-llama", "code", "1")
@@ -107,22 +105,3 @@ def test_the_overhead_window_survives_a_restart() -> None:
     saved = policy.state_dict()["learning"]["overheads"]
     assert restored.state_dict()["learning"]["overheads"] == saved
     assert len(policy.state_dict()["learning"]["overheads"][CONTEXT.model]) == 30
-
-
-def test_the_first_requests_overheads_wait_for_a_median_to_cap_them() -> None:
-    """A cold engine's request that is the model's very first still has its time
-    outside decode capped: the first ones wait until there is a median to cap by."""
-    learning = SpecPilotPolicy([NGRAM], clock=lambda: 0.0, rng=np.random.default_rng(0)).learning
-    charged: list[tuple[float, float]] = []
-    learning._charge = lambda model, charge, cap: charged.append((charge.overhead_s, cap))  # type: ignore[method-assign]
-    rows = np.ones((1, 2))
-    # The recorded cold n-gram request first (1.79 s outside decode), then two of off.
-    for overhead in (1.788, 0.040, 0.036):
-        learning._learn_charged("m", _Charge(rows, 0.1, overhead, 12, 0.0))
-        if len(learning.overheads["m"]) < 3:
-            assert charged == []
-    assert learning.uncharged["m"] == []
-    # All three charged, the cold one capped at 4 × the median of the three (0.16 s).
-    assert charged == [(1.788, 0.16), (0.040, 0.16), (0.036, 0.16)]
-    learning._learn_charged("m", _Charge(rows, 0.1, 0.5, 12, 0.0))
-    assert charged[-1] == (0.5, 4 * statistics.median([1.788, 0.040, 0.036]))
