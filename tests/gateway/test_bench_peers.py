@@ -10,16 +10,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.gateway import (
     StreamClient,
+    added_interval,
     child,
     nginx_proxy,
     peer_checks,
     process_cpu_s,
     process_tree,
+    settled_checks,
 )
 from bench.peers import LITELLM_PACKAGE, litellm_env
 from testbed.server import free_port
@@ -44,6 +48,56 @@ def test_peer_goals_compare_against_nginx_and_litellm() -> None:
         "p99_vs_litellm": True,  # 2.0 <= 0.25 × 20
         "cpu_vs_litellm": False,  # 1.0 > 0.25 × 3.0
     }
+
+
+def _timed(
+    p50: float, p99: float, p50_90: tuple[float, float], p99_90: tuple[float, float]
+) -> dict[str, Any]:
+    return {
+        "added_p50_ms": p50,
+        "added_p99_ms": p99,
+        "added_p50_ms_90": list(p50_90),
+        "added_p99_ms_90": list(p99_90),
+        "cpu_ms_per_request": 1.0,
+    }
+
+
+def test_a_check_is_settled_only_where_the_intervals_keep_its_verdict() -> None:
+    settled = settled_checks(
+        {
+            # p50 clearly within 1.5 × nginx; p99 against nginx's, which straddles zero.
+            "specpilot": _timed(0.3, 0.4, (0.28, 0.32), (0.1, 0.7)),
+            "nginx": _timed(0.3, 0.0, (0.25, 0.35), (-0.3, 0.3)),
+            "litellm": _timed(30.0, 40.0, (29.0, 31.0), (35.0, 45.0)),
+        }
+    )
+    assert settled == {
+        "p50_vs_nginx": True,  # 0.32 <= 1.5 × 0.25
+        "p99_vs_nginx": False,  # 0.7 > 1.5 × -0.3, and 0.1 <= 1.5 × 0.3
+        "p50_vs_litellm": True,
+        "p99_vs_litellm": True,
+    }
+    missed = settled_checks(
+        {
+            "specpilot": _timed(1.0, 1.0, (0.9, 1.1), (0.9, 1.1)),
+            "nginx": _timed(0.3, 0.3, (0.25, 0.35), (0.25, 0.35)),
+            "litellm": _timed(30.0, 40.0, (29.0, 31.0), (35.0, 45.0)),
+        }
+    )
+    assert missed["p50_vs_nginx"] and missed["p99_vs_nginx"]  # surely missed: 0.9 > 0.525
+
+
+def test_added_interval_covers_what_the_hop_adds() -> None:
+    rng = np.random.default_rng(1)
+    straight = list(0.020 + rng.exponential(0.002, 600))
+    same = list(0.020 + rng.exponential(0.002, 600))
+    slower = [t + 0.001 for t in same]
+    low, high = added_interval(straight, same, 0.5)
+    assert low < 0.0 < high  # same distribution: zero inside
+    low, high = added_interval(straight, slower, 0.5)
+    assert 0.5 < low < 1.0 < high < 1.5  # one ms added, in ms
+    wide = added_interval(straight, same, 0.99)
+    assert wide[1] - wide[0] > high - low  # a tail quantile is known less well
 
 
 _FORKING = """
