@@ -10,7 +10,10 @@ static runs. Goodput is generated tokens per simulated second.
 
 Besides goodput ratios the report holds drift detection (split by whether the drifting
 proposer served its class when the drift began), and the latency of specpilot's
-``select`` on the request path (``time.perf_counter_ns`` around every call).
+``select`` on the request path (``time.perf_counter_ns`` around every call), and per phase
+the goodput and the arms each class got from specpilot, the oracle and the best static
+config, with what specpilot believed at the end (``learned``: acceptance per class ×
+proposer, step-cost fit), so a shortfall can be traced to a belief.
 
 ``--bound-check`` runs every shipped scenario and twenty random ones and reports, per
 scenario, specpilot's ratio to the oracle and the best any other policy reached: the
@@ -219,6 +222,8 @@ class Run:
     result: RunResult
     change_events: list[ChangeEvent]
     select_ns: list[int]
+    learned: dict[str, Any] | None = None
+    """specpilot: what it believed at the end (see :func:`learned_summary`)."""
 
 
 def _run_group(
@@ -247,7 +252,8 @@ def _run_group(
 
         result = simulate(scenario, make, buckets=by_name[name].buckets, traffic=traffic)
         events = list(getattr(made[0], "change_events", []))
-        out[name] = Run(result, events, timed[0].latencies_ns if timed else [])
+        learned = learned_summary(made[0]) if isinstance(made[0], SpecPilotPolicy) else None
+        out[name] = Run(result, events, timed[0].latencies_ns if timed else [], learned)
     return out
 
 
@@ -263,6 +269,50 @@ def _init_worker(scenario: Scenario) -> None:
 
 def _run_in_worker(name: str, seed: int) -> dict[str, Run]:
     return _run_group(_worker["scenario"], [name], seed, _worker["traffic"])
+
+
+def learned_summary(policy: SpecPilotPolicy) -> dict[str, Any]:
+    """What specpilot believed at the end of a run, to set beside the scenario's truth:
+    per class × proposer its first-position acceptance and the (discounted) requests that
+    rests on, and its step-cost fit (plain step, knee, drafting cost per draft position
+    as a share of a plain step). The same figures as ``GET /v1/policy``."""
+    estimates = policy.estimates()
+    return {
+        "acceptance": [
+            {
+                "workload_class": a["workload_class"],
+                "proposer": a["proposer"],
+                "first_position_acceptance": a["first_position_acceptance"],
+                "requests": a["requests"],
+            }
+            for a in estimates["acceptance"]
+        ],
+        "cost": [
+            {k: c[k] for k in ("model", "step_s", "knee_tokens", "draft_cost")}
+            for c in estimates["cost"]
+        ],
+    }
+
+
+def phase_breakdown(scenario: Scenario, results: dict[str, RunResult]) -> list[dict[str, Any]]:
+    """Per phase: each given run's goodput and the arms it served each class with
+    (requests per arm; exploring ones too): where a run lost against another, and how."""
+    out: list[dict[str, Any]] = []
+    for index, phase in enumerate(scenario.phases):
+        arms: dict[str, dict[str, dict[str, int]]] = {name: {} for name in results}
+        for name, result in results.items():
+            for admission in result.admissions:
+                if scenario.phase_at(admission.at_s) == index:
+                    by_arm = arms[name].setdefault(admission.workload_class, {})
+                    by_arm[str(admission.arm)] = by_arm.get(str(admission.arm), 0) + 1
+        out.append(
+            {
+                "concurrency": phase.concurrency,
+                "goodput": {name: r.phase_goodput(index) for name, r in results.items()},
+                "arms": arms,
+            }
+        )
+    return out
 
 
 def latency_summary(latencies_ns: Sequence[int]) -> dict[str, float]:
@@ -354,6 +404,10 @@ def run_policy_bench(
             sum(a.explored for a in admissions) / len(admissions) if admissions else 0.0
         ),
         "select_latency_us": latency_summary(runs["specpilot"].select_ns),
+        "phases": phase_breakdown(
+            scenario, {"specpilot": specpilot, "oracle": oracle, "best_static": best}
+        ),
+        "learned": runs["specpilot"].learned,
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -409,6 +463,10 @@ def _print_human(report: dict[str, Any]) -> None:
             f"{'idle_arm_drift':<28} {drift['class']} × {drift['proposer']} at "
             f"{drift['at_s']:.0f} s (class served by {drift['serving_arm']}): found {found}"
         )
+    for index, phase in enumerate(report["phases"]):
+        goodput = ", ".join(f"{name} {value:.0f}" for name, value in phase["goodput"].items())
+        label = f"phase {index} ({phase['concurrency']} streams)"
+        print(f"{label:<28} {goodput} tok/s")
     print(f"{'false_alarms':<28} {report['false_alarms']}")
     print(f"{'explore_fraction':<28} {report['explore_fraction']:.3f}")
     latency = report["select_latency_us"]

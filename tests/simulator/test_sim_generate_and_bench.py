@@ -71,6 +71,33 @@ def test_bench_policy_cli_prints_the_issue_keys(
     assert latency["calls"] > 100
     assert 0 < latency["p50"] <= latency["p99"] <= latency["p999"] <= latency["max"]
     assert report["bound"]["top_other"] in names
+    # Per phase: goodput that adds up to the run's, and every admitted request's arm.
+    phases = report["phases"]
+    assert [p["concurrency"] for p in phases] == [2, 24]
+    for name in ("specpilot", "oracle", "best_static"):
+        seconds = [120.0, 120.0]
+        total = sum(p["goodput"][name] * s for p, s in zip(phases, seconds, strict=True))
+        # (A phase's seconds run from event to event: within a step of its nominal 120.)
+        assert total / 240.0 == pytest.approx(report["policies"][name]["goodput"], rel=1e-3)
+    classes = set(data["classes"])
+    for phase in phases:
+        assert set(phase["arms"]["oracle"]) == classes
+        assert all(n > 0 for by_arm in phase["arms"]["specpilot"].values() for n in by_arm.values())
+    # What specpilot believed at the end: every class × proposer it served or probed.
+    learned = report["learned"]
+    served = {
+        (cls, arm.split(":")[0])
+        for phase in phases
+        for cls, by_arm in phase["arms"]["specpilot"].items()
+        for arm in by_arm
+        if arm != "off"
+    }
+    believed = {(a["workload_class"], a["proposer"]) for a in learned["acceptance"]}
+    assert served <= believed
+    for a in learned["acceptance"]:
+        assert 0.0 <= a["first_position_acceptance"] <= 1.0 and a["requests"] > 0
+    (cost,) = learned["cost"]
+    assert cost["step_s"] > 0 and set(cost["draft_cost"]) == set(data["proposers"])
 
 
 def test_bench_policy_cli_runs_a_stationary_random_scenario(
