@@ -111,7 +111,11 @@ class Exploration:
         if not explore:
             return route.arm, route.reason, False
         if explore[0][2] == "trial":
-            return explore[0][0], "trial", True
+            if (context.model, context.bucket) in self.trials:
+                return explore[0][0], "trial", True
+            # The trial ended on this request path; the bucket's routes are
+            # re-published off it, at the next observation.
+            return route.arm, route.reason, False
         if route.reason == "override" or not self.may_explore():
             return route.arm, route.reason, False
         credits = self.credits

@@ -66,6 +66,8 @@ class SpecPilotPolicy:
         """(model, bucket)s planned at least once."""
         self._demand: set[tuple[str, str]] = set()
         """(model, bucket)s that served requests since they were last planned."""
+        self._trial_ended: set[tuple[str, str]] = set()
+        """(model, bucket)s whose knee trial ended since their routes were published."""
 
     # -- the controller's API ------------------------------------------------------
 
@@ -90,17 +92,28 @@ class SpecPilotPolicy:
         return Decision(context, arm, reason, route.speedup, route.interval)
 
     def _serve(self, context: Context) -> tuple[Arm, str, bool, Route]:
-        """The request path: the context's route (planned before, off this path but
-        for a bucket's very first request), its turn of exploration, and the
-        bookkeeping that attributes what the request shows when it finishes."""
-        route = self.route(context)
-        trial_over = self._count(context)
+        """The request path: the context's route, its turn of exploration, and the
+        bookkeeping that attributes what the request shows when it finishes.
+
+        Nothing here plans or re-publishes: a bucket's first requests go as its
+        commitments say (off, learning, where it has none) and the next observation
+        plans it; a knee trial that ends here leaves its bucket's routes to be
+        re-published there too (``Exploration.pick`` serves the route's arm meanwhile).
+        A plan takes milliseconds, a bucket's routes tens of microseconds."""
+        route = self._routes.get(context)
+        if route is None:
+            route = self._routes[context] = self._route(context)
+        # Picked before counting: a trial's last request is still the trial's.
         arm, reason, explored = self.exploration.pick(context, route)
+        trial_over = self._count(context)
         self._account(context, arm, explored, trial_over, self.clock())
         return arm, reason, explored, route
 
     def route(self, context: Context) -> Route:
-        """How ``context``'s requests are served now (see :class:`Route`)."""
+        """How ``context``'s requests are served now (see :class:`Route`), for a router
+        of its own: off the request path, so its bucket is planned first if it never
+        was, and re-published if a knee trial ended since."""
+        self._publish_ended_trials(context.model)
         route = self._routes.get(context)
         return route if route is not None else self._cold_route(context)
 
@@ -122,7 +135,7 @@ class SpecPilotPolicy:
         bucket = (context.model, context.bucket)
         self.exploration.count_selection(explored)
         if trial_over:
-            self._publish(*bucket)
+            self._trial_ended.add(bucket)
         self._moved(self.learning.serve(context, arm, at))
         self._demand.add(bucket)
 
@@ -130,6 +143,8 @@ class SpecPilotPolicy:
         """Every context's route as planned so far: the arm its requests get and the
         shares of them that explore (see :class:`Route`). Plain data that pickles, for
         a process that routes requests by itself; ``select`` serves from the same."""
+        for model in {m for m, _ in self._trial_ended}:
+            self._publish_ended_trials(model)
         return dict(self._routes)
 
     def decide(self, context: Context, *, running: Arm | None = None) -> Decision:
@@ -149,7 +164,7 @@ class SpecPilotPolicy:
         if running is not None and self.config.moves_need_evidence and running in self.arms:
             adopted = self.commitment.adopt(context, running)
         planned = self.planner.plan_if_due(context.model, context.bucket, self.clock(), self.rng)
-        if planned or adopted:
+        if planned or adopted or (context.model, context.bucket) in self._trial_ended:
             self._publish(context.model, context.bucket)
         commitment = self.commitment.commitments.get(context)
         if commitment is None:
@@ -202,10 +217,16 @@ class SpecPilotPolicy:
             if self.planner.plan_if_due(model, key[1], now, self.rng):
                 self._demand.discard(key)
                 self._publish(*key)
+        self._publish_ended_trials(model)
+
+    def _publish_ended_trials(self, model: str) -> None:
+        for key in sorted(k for k in self._trial_ended if k[0] == model):
+            self._publish(*key)
 
     def _cold_route(self, context: Context) -> Route:
-        """The route of a context none was published for: its bucket is planned now if
-        it never was (once per bucket), else it has no commitment yet."""
+        """The route of a context none was published for, off the request path: its
+        bucket is planned now if it never was (once per bucket), else it has no
+        commitment yet."""
         key = (context.model, context.bucket)
         if key not in self.planner.plans and key not in self._planned:
             self._catch_up()
@@ -241,11 +262,13 @@ class SpecPilotPolicy:
     def _publish(self, model: str, bucket: str) -> None:
         """Route every context of a bucket as its latest plan and commitments say."""
         self._planned.add((model, bucket))
+        self._trial_ended.discard((model, bucket))
         for context in [*self.commitment.commitments, *self._routes]:
             if context.model == model and context.bucket == bucket:
                 self._routes[context] = self._route(context)
 
     def _publish_all(self) -> None:
+        self._trial_ended.clear()
         for context in [*self.commitment.commitments, *self._routes]:
             self._routes[context] = self._route(context)
 
@@ -399,6 +422,7 @@ class SpecPilotPolicy:
         self.exploration.load_state(state["exploration"], fit)
         self._overrides.load_state(state["overrides"], fit)
         self._routes = {}
+        self._trial_ended = set()
         self._planned = {(c.model, c.bucket) for c in self.commitment.commitments}
         self._demand = set(self._planned)
         self._publish_all()

@@ -1,0 +1,94 @@
+"""The request path (``select``) reads routes and counts; it never plans and never
+re-publishes a bucket's routes. A plan takes milliseconds: a bucket's first request
+and a knee trial's last one would otherwise carry one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policy_sim import run_specpilot, scenario
+
+from collectors.observations import RequestObservation
+from policies.arms import OFF, Context
+from policies.bandit import SpecPilotPolicy
+from policies.bandit.exploration import _Trial
+
+MODEL = "sim-model"
+
+
+def _count_plans(policy: SpecPilotPolicy) -> list[tuple[str, str]]:
+    """Every bucket the planner plans from now on, in order."""
+    planned: list[tuple[str, str]] = []
+    plan = policy.planner.plan
+
+    def counting(model: str, bucket: str, *args: Any) -> None:
+        planned.append((model, bucket))
+        plan(model, bucket, *args)
+
+    policy.planner.plan = counting  # type: ignore[method-assign]
+    return planned
+
+
+def _learned() -> SpecPilotPolicy:
+    """A policy that ran two minutes of two streams: buckets 1 and 2-3 planned."""
+    policy, _ = run_specpilot(scenario(duration_s=120, phases=[{"at_s": 0, "concurrency": 2}]))
+    assert policy.learning.cost[MODEL].ready
+    return policy
+
+
+def _finished(context: Context, at: float) -> RequestObservation:
+    return RequestObservation(
+        model=context.model,
+        prompt_tokens=None,
+        output_tokens=10,
+        ttft_s=0.1,
+        mean_itl_s=0.02,
+        generation_time_s=0.2,
+        spec=None,
+        workload_class=context.workload_class,
+        arm=str(OFF),
+        concurrency=40,
+        finished_at=at,
+    )
+
+
+def test_a_new_buckets_first_requests_go_unplanned_until_the_next_observation() -> None:
+    policy = _learned()
+    rush = Context(MODEL, "code", "32+")
+    assert (MODEL, "32+") not in policy.planner.plans
+    planned = _count_plans(policy)
+    decisions = [policy.choose(rush) for _ in range(5)]
+    assert planned == []
+    # No commitment in the bucket yet: off, as for any context without evidence.
+    assert {(d.arm, d.reason) for d in decisions} == {(OFF, "learning")}
+    policy.observe(_finished(rush, policy.clock()))
+    assert (MODEL, "32+") in planned
+    assert Context(MODEL, "code", "32+") in policy.commitment.commitments
+    assert policy.routes()[rush].arm == policy.decide(rush).arm
+
+
+def test_a_knee_trial_ending_on_the_request_path_is_published_off_it() -> None:
+    policy = _learned()
+    context = Context(MODEL, "code", "2-3")
+    committed = policy.decide(context).arm
+    bolder = next(arm for arm in policy.arms if arm != committed and arm != OFF)
+    policy.exploration.trials[(MODEL, "2-3")] = _Trial({"code": bolder}, remaining=2)
+    policy._publish(MODEL, "2-3")  # as a plan that starts a trial does
+    planned = _count_plans(policy)
+    published: list[tuple[str, str]] = []
+    publish = policy._publish
+
+    def counting(model: str, bucket: str) -> None:
+        published.append((model, bucket))
+        publish(model, bucket)
+
+    policy._publish = counting  # type: ignore[method-assign]
+    served = [policy.choose(context) for _ in range(4)]
+    assert [(d.arm, d.explored) for d in served[:2]] == [(bolder, True)] * 2
+    # The trial is over: its bucket serves the committed arm (no exploration) until
+    # the routes are re-published.
+    assert {(d.arm, d.explored) for d in served[2:]} == {(committed, False)}
+    assert planned == [] and published == []
+    routes = policy.routes()
+    assert published == [(MODEL, "2-3")]
+    assert all(why != "trial" for _, _, why in routes[context].explore)
