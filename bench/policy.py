@@ -500,12 +500,22 @@ def bound_check_scenarios(
     return out
 
 
-def _bound_row(label: str, scenario: Scenario) -> dict[str, Any]:
-    report = run_policy_bench(scenario, jobs=1)
+def _bound_row(
+    label: str, scenario: Scenario, seed: int = 0, seeds: Sequence[int] = ()
+) -> dict[str, Any]:
+    report = run_policy_bench(scenario, seed=seed, jobs=1)
     oracle = report["policies"]["oracle"]["goodput"]
+    by_seed = {seed: report["ratios"]["vs_oracle"]}
+    if seeds:
+        traffic = Traffic(scenario)
+        for other in seeds:
+            if other not in by_seed:
+                run = _run_group(scenario, ["specpilot"], other, traffic)["specpilot"]
+                by_seed[other] = run.result.goodput / oracle
     return {
         "scenario": label,
         "vs_oracle": report["ratios"]["vs_oracle"],
+        "vs_oracle_by_seed": {str(s): ratio for s, ratio in sorted(by_seed.items())},
         "vs_best_static": report["ratios"]["vs_best_static"],
         "top_other": report["bound"]["top_other"],
         "top_other_vs_oracle": report["bound"]["top_other_vs_oracle"],
@@ -523,11 +533,22 @@ def _bound_row(label: str, scenario: Scenario) -> dict[str, Any]:
     }
 
 
-def bound_check(scenarios: Sequence[tuple[str, Scenario]], jobs: int = 2) -> list[dict[str, Any]]:
+def bound_check(
+    scenarios: Sequence[tuple[str, Scenario]],
+    jobs: int = 2,
+    *,
+    seed: int = 0,
+    seeds: Sequence[int] = (),
+) -> list[dict[str, Any]]:
     """Run the whole bench on every scenario (one process per scenario, ``jobs`` at a
-    time); per scenario: specpilot vs the oracle and the best any other policy got."""
+    time); per scenario: specpilot vs the oracle and the best any other policy got.
+
+    ``seeds``: policy seeds specpilot also runs with (alone, on the same traffic), each
+    row's ``vs_oracle_by_seed``. One scenario's ratio moves by about ±1 % with the
+    policy's seed, so the minimum over scenarios of a single seed judges a policy
+    change by noise; the mean and minimum over seeds judge it by the policy."""
     if jobs <= 1:
-        return [_bound_row(label, scenario) for label, scenario in scenarios]
+        return [_bound_row(label, scenario, seed, seeds) for label, scenario in scenarios]
 
     def work(item: tuple[str, Scenario]) -> float:
         scenario = item[1]
@@ -536,7 +557,7 @@ def bound_check(scenarios: Sequence[tuple[str, Scenario]], jobs: int = 2) -> lis
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         # The longest first, so the last ones to finish are short.
         futures = {
-            label: pool.submit(_bound_row, label, scenario)
+            label: pool.submit(_bound_row, label, scenario, seed, seeds)
             for label, scenario in sorted(scenarios, key=work, reverse=True)
         }
         return [futures[label].result() for label, _ in scenarios]
@@ -554,6 +575,11 @@ def _print_bound_check(rows: Sequence[dict[str, Any]]) -> None:
             f"{row['top_other_vs_oracle']:>8.4f} {row['top_other']:<12} "
             f"{row['fluid_oracle_vs_oracle']:>12.4f}  {row['drift_detection_delay_requests']} "
             f"/ {idle}"
+            + (
+                f"  seeds {min(by_seed.values()):.3f}–{max(by_seed.values()):.3f}"
+                if len(by_seed := row["vs_oracle_by_seed"]) > 1
+                else ""
+            )
         )
     worst = max(rows, key=lambda r: r["top_other_vs_oracle"])
     below = [r["scenario"] for r in rows if r["vs_oracle"] < TARGETS["vs_oracle"]]
@@ -567,6 +593,30 @@ def _print_bound_check(rows: Sequence[dict[str, Any]]) -> None:
         f"{max(r['vs_oracle'] for r in rows):.3f}; below {TARGETS['vs_oracle']}: "
         + (", ".join(below) if below else "none")
     )
+    summary = seeds_summary(rows)
+    if len(summary["seeds"]) > 1:
+        print(
+            f"over policy seeds {', '.join(summary['seeds'])}: mean {summary['mean']:.4f}, "
+            f"minimum {summary['min']:.3f} ({summary['min_at']}), per seed "
+            + ", ".join(f"{s} {m:.3f}" for s, m in summary["min_by_seed"].items())
+        )
+
+
+def seeds_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """specpilot vs the oracle over every scenario and policy seed of a bound check:
+    the mean, the minimum and where, and each seed's minimum over the scenarios."""
+    seeds = list(rows[0]["vs_oracle_by_seed"]) if rows else []
+    cells = [(r["vs_oracle_by_seed"][s], r["scenario"], s) for r in rows for s in seeds]
+    if not cells:
+        return {"seeds": [], "mean": math.nan, "min": math.nan, "min_at": "", "min_by_seed": {}}
+    low = min(cells)
+    return {
+        "seeds": seeds,
+        "mean": float(np.mean([c[0] for c in cells])),
+        "min": low[0],
+        "min_at": f"{low[1]}, seed {low[2]}",
+        "min_by_seed": {s: min(c[0] for c in cells if c[2] == s) for s in seeds},
+    }
 
 
 def register(subparsers: Any) -> None:
@@ -601,21 +651,46 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' RNGs")
     parser.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=(),
+        metavar="S1,S2,...",
+        help="with --bound-check: policy seeds specpilot also runs with, alone on the same "
+        "traffic (per-scenario ratios move by about 1 %% with the seed)",
+    )
+    parser.add_argument(
         "--jobs", type=int, default=2, help="processes to run the policies in (default 2)"
     )
     parser.set_defaults(func=main)
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        message = f"not a comma-separated list of integers: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def main(args: argparse.Namespace) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    if args.seeds and not args.bound_check:
+        print("specpilot bench policy: --seeds goes with --bound-check", file=sys.stderr)
+        return 2
     if args.bound_check:
         duration = args.duration or BOUND_CHECK_DURATION_S
         started = time.perf_counter()
-        rows = bound_check(bound_check_scenarios(duration_s=duration), jobs=args.jobs)
+        rows = bound_check(
+            bound_check_scenarios(duration_s=duration),
+            jobs=args.jobs,
+            seed=args.seed,
+            seeds=args.seeds,
+        )
         result = {
             "random_duration_s": duration,
             "path_noise": PATH_NOISE,
             "scenarios": rows,
+            "over_seeds": seeds_summary(rows),
             "elapsed_s": time.perf_counter() - started,
         }
         (RESULTS_DIR / "policy-bound-check.json").write_text(

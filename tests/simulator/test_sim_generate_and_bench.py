@@ -116,3 +116,24 @@ def test_bench_policy_cli_runs_a_stationary_random_scenario(
     assert report["ratios"]["vs_best_static"] == pytest.approx(
         report["policies"]["specpilot"]["goodput"] / best
     )
+
+
+def test_the_bound_check_runs_specpilot_with_more_policy_seeds() -> None:
+    """``--seeds``: each row's ratio per policy seed, the full run's seed first, every
+    other one as a whole bench run with that seed would give it."""
+    from bench.policy import _bound_row, run_policy_bench, seeds_summary
+
+    data = random_scenario(7, duration_s=120)
+    data["drift"] = []
+    scenario = parse_scenario(data)
+    row = _bound_row("small", scenario, seed=0, seeds=(0, 3))
+    by_seed = row["vs_oracle_by_seed"]
+    assert list(by_seed) == ["0", "3"] and by_seed["0"] == row["vs_oracle"]
+    alone = run_policy_bench(scenario, seed=3, jobs=1)["ratios"]["vs_oracle"]
+    assert by_seed["3"] == pytest.approx(alone, rel=1e-12)
+    other = {**row, "scenario": "other", "vs_oracle_by_seed": {"0": 0.99, "3": 0.5}}
+    summary = seeds_summary([row, other])
+    assert summary["seeds"] == ["0", "3"]
+    assert (summary["min"], summary["min_at"]) == (0.5, "other, seed 3")
+    assert summary["min_by_seed"] == {"0": min(by_seed["0"], 0.99), "3": 0.5}
+    assert summary["mean"] == pytest.approx((by_seed["0"] + by_seed["3"] + 0.99 + 0.5) / 4)
