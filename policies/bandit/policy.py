@@ -114,8 +114,11 @@ class SpecPilotPolicy:
         of its own: off the request path, so its bucket is planned first if it never
         was, and re-published if a knee trial ended since."""
         self._publish_ended_trials(context.model)
+        self._plan_new_bucket(context.model, context.bucket)
         route = self._routes.get(context)
-        return route if route is not None else self._cold_route(context)
+        if route is None:
+            route = self._routes[context] = self._route(context)
+        return route
 
     def served(self, context: Context, arm: Arm, explored: bool, at: float) -> None:
         """A request of ``context`` that a router of its own sent to ``arm`` by
@@ -223,25 +226,16 @@ class SpecPilotPolicy:
         for key in sorted(k for k in self._trial_ended if k[0] == model):
             self._publish(*key)
 
-    def _cold_route(self, context: Context) -> Route:
-        """The route of a context none was published for, off the request path: its
-        bucket is planned now if it never was (once per bucket), else it has no
-        commitment yet."""
-        key = (context.model, context.bucket)
-        if key not in self.planner.plans and key not in self._planned:
-            self._catch_up()
-            self.planner.plan(
-                context.model,
-                context.bucket,
-                self.clock(),
-                self.learning.observations.get(context.model, 0),
-                self.rng,
-            )
-            self._publish(*key)
-        route = self._routes.get(context)
-        if route is None:
-            route = self._routes[context] = self._route(context)
-        return route
+    def _plan_new_bucket(self, model: str, bucket: str) -> None:
+        """Plan a bucket that never was (once per bucket; off the request path)."""
+        key = (model, bucket)
+        if key in self.planner.plans or key in self._planned:
+            return
+        self._catch_up()
+        self.planner.plan(
+            model, bucket, self.clock(), self.learning.observations.get(model, 0), self.rng
+        )
+        self._publish(*key)
 
     def _route(self, context: Context) -> Route:
         override = self._overrides.for_context(context)

@@ -63,6 +63,11 @@ def test_a_new_buckets_first_requests_go_unplanned_until_the_next_observation() 
     assert {(d.arm, d.reason) for d in decisions} == {(OFF, "learning")}
     policy.observe(_finished(rush, policy.clock()))
     assert (MODEL, "32+") in planned
+    # Off the request path, a router of its own asking for a new bucket's route has
+    # the bucket planned first.
+    planned.clear()
+    assert policy.route(Context(MODEL, "code", "16-31")).reason != "learning"
+    assert planned == [(MODEL, "16-31")]
     assert Context(MODEL, "code", "32+") in policy.commitment.commitments
     assert policy.routes()[rush].arm == policy.decide(rush).arm
 
