@@ -656,12 +656,12 @@ def _proxy_summary(result: LevelResult) -> dict[str, Any]:
     }
 
 
-def _latency_goals() -> Iterator[tuple[str, str, float]]:
-    """Each latency goal as (check name, peer, factor): added ``q`` at most factor × the
-    peer's."""
+def _latency_goals() -> Iterator[tuple[str, str, str, float]]:
+    """Each latency goal as (check name, quantile, peer, factor): added quantile at most
+    factor × the peer's."""
     for q in ("p50", "p99"):
         for peer in ("nginx", "litellm"):
-            yield f"{q}_vs_{peer}", peer, PEER_GOALS[f"vs_{peer}_latency"]
+            yield f"{q}_vs_{peer}", q, peer, PEER_GOALS[f"vs_{peer}_latency"]
 
 
 def peer_checks(proxies: dict[str, dict[str, Any]]) -> dict[str, bool]:
@@ -669,8 +669,8 @@ def peer_checks(proxies: dict[str, dict[str, Any]]) -> dict[str, bool]:
     LiteLLM's, its CPU per request against LiteLLM's."""
     ours, litellm = proxies["specpilot"], proxies["litellm"]
     out = {}
-    for check, peer, factor in _latency_goals():
-        key = f"added_{check[:3]}_ms"
+    for check, q, peer, factor in _latency_goals():
+        key = f"added_{q}_ms"
         out[check] = ours[key] <= factor * proxies[peer][key]
     out["cpu_vs_litellm"] = (
         ours["cpu_ms_per_request"] <= PEER_GOALS["vs_litellm_cpu"] * litellm["cpu_ms_per_request"]
@@ -683,8 +683,8 @@ def settled_checks(proxies: dict[str, dict[str, Any]]) -> dict[str, bool]:
     of the two figures' 90 % intervals (False: chance alone could turn it)."""
     ours = proxies["specpilot"]
     out = {}
-    for check, peer, factor in _latency_goals():
-        key = f"added_{check[:3]}_ms_90"
+    for check, q, peer, factor in _latency_goals():
+        key = f"added_{q}_ms_90"
         (ours_low, ours_high), (peer_low, peer_high) = ours[key], proxies[peer][key]
         met_surely = ours_high <= factor * peer_low
         missed_surely = ours_low > factor * peer_high

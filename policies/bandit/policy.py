@@ -100,9 +100,7 @@ class SpecPilotPolicy:
         plans it; a knee trial that ends here leaves its bucket's routes to be
         re-published there too (``Exploration.pick`` serves the route's arm meanwhile).
         A plan takes milliseconds, a bucket's routes tens of microseconds."""
-        route = self._routes.get(context)
-        if route is None:
-            route = self._routes[context] = self._route(context)
+        route = self._stored_route(context)
         # Picked before counting: a trial's last request is still the trial's.
         arm, reason, explored = self.exploration.pick(context, route)
         trial_over = self._count(context)
@@ -115,6 +113,10 @@ class SpecPilotPolicy:
         was, and re-published if a knee trial ended since."""
         self._publish_ended_trials(context.model)
         self._plan_new_bucket(context.model, context.bucket)
+        return self._stored_route(context)
+
+    def _stored_route(self, context: Context) -> Route:
+        """The context's published route, or (none yet) the one its commitments give."""
         route = self._routes.get(context)
         if route is None:
             route = self._routes[context] = self._route(context)
@@ -146,8 +148,7 @@ class SpecPilotPolicy:
         """Every context's route as planned so far: the arm its requests get and the
         shares of them that explore (see :class:`Route`). Plain data that pickles, for
         a process that routes requests by itself; ``select`` serves from the same."""
-        for model in {m for m, _ in self._trial_ended}:
-            self._publish_ended_trials(model)
+        self._publish_ended_trials()
         return dict(self._routes)
 
     def decide(self, context: Context, *, running: Arm | None = None) -> Decision:
@@ -222,8 +223,9 @@ class SpecPilotPolicy:
                 self._publish(*key)
         self._publish_ended_trials(model)
 
-    def _publish_ended_trials(self, model: str) -> None:
-        for key in sorted(k for k in self._trial_ended if k[0] == model):
+    def _publish_ended_trials(self, model: str | None = None) -> None:
+        """Re-publish the buckets (of ``model``, or all) whose knee trial ended."""
+        for key in sorted(k for k in self._trial_ended if model in (None, k[0])):
             self._publish(*key)
 
     def _plan_new_bucket(self, model: str, bucket: str) -> None:
