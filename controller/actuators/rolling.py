@@ -173,11 +173,20 @@ class RollingRestarts:
             await asyncio.sleep(self.poll_s)
 
     async def _renew(self, lease: LeaseRecord) -> None:
+        """Keep ``lease`` open while the restart runs: renewed every third of
+        ``ttl_s``, so one late or failed renewal still leaves it open."""
+        renewed_at = time.monotonic()
         while True:
             await asyncio.sleep(self.ttl_s / 3)
-            renewed = await self._store_call(
-                self.book.renew_lease, lease.id, self.clock(), self.ttl_s
-            )
+            try:
+                renewed = await self._store_call(
+                    self.book.renew_lease, lease.id, self.clock(), self.ttl_s
+                )
+            except Exception:
+                # A renewal that raises must not end the renewing: the lease would
+                # expire mid-restart and the next replica restart beside this one.
+                log.exception("pool %s: renewing restart lease %d failed", self.pool, lease.id)
+                continue
             if renewed is False:
                 log.error(
                     "pool %s: replica %s's restart lease %d expired before the restart "
@@ -186,6 +195,18 @@ class RollingRestarts:
                     self.replica,
                     lease.id,
                 )
+            elif renewed:
+                now = time.monotonic()
+                if now - renewed_at > self.ttl_s * 2 / 3:
+                    log.warning(
+                        "pool %s: restart lease %d renewed %.1f s after the previous "
+                        "renewal (lease_ttl_s %.0f): this process or its store is slow",
+                        self.pool,
+                        lease.id,
+                        now - renewed_at,
+                        self.ttl_s,
+                    )
+                renewed_at = now
 
     async def _release(
         self,

@@ -290,3 +290,37 @@ def test_two_pushes_to_one_replica_take_turns(store: Store) -> None:
     ]
     assert overlapping(leases) == []
     assert pod.inner.config(POOL) == NGRAM_2
+
+
+def test_a_renewal_that_raises_does_not_end_the_renewing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart longer than the lease's TTL keeps its lease though one renewal raised:
+    the other replica's turn comes only after it."""
+    restarts = Restarts()
+    slow, _ = replica("a", store, restarts, ttl_s=0.6, seconds=1.5)
+    other, _ = replica("b", store, restarts, ttl_s=0.6)
+    renew = store.renew_lease
+    raised: list[int] = []
+
+    def renew_once_raising(lease_id: int, now: float, ttl_s: float) -> bool:
+        if not raised:
+            raised.append(lease_id)
+            raise RuntimeError("a driver error nobody expected")
+        return renew(lease_id, now, ttl_s)
+
+    monkeypatch.setattr(store, "renew_lease", renew_once_raising)
+
+    async def scenario() -> None:
+        await slow.apply(push(None))
+        await other.apply(push(None))
+        task = asyncio.create_task(slow.apply(push(NGRAM)))
+        await asyncio.sleep(0.3)  # a holds the lease and is restarting
+        await other.apply(push(NGRAM))
+        await task
+
+    asyncio.run(scenario())
+    leases = log(store)
+    assert raised
+    assert [(lease.replica, lease.outcome) for lease in leases] == [("a", "done"), ("b", "done")]
+    assert overlapping(leases) == []

@@ -252,6 +252,20 @@ def pods(vllm_servers: VllmServers, pg: PgDatabase, tmp_path: Path) -> Iterator[
             pod.stop()
 
 
+def rollout_log(pods: list[Pod]) -> dict[str, list[str]]:
+    """Per pod, what its replica logged about leases and restarts: why a lease log
+    differs from the one expected."""
+    logged = ("controller.actuators.rolling", "controller.actuators.managed")
+    return {
+        pod.name: [
+            line
+            for line in pod.serve.log.read_text(errors="replace").splitlines()
+            if any(name in line for name in logged)
+        ]
+        for pod in pods
+    }
+
+
 def all_ready(pods: list[Pod]) -> bool:
     return all(pod.ready()[0] == 200 for pod in pods)
 
@@ -316,7 +330,7 @@ def test_the_leaders_decision_reaches_both_vllms_one_restart_at_a_time_and_a_ref
     leases = lease_log(pg.url)
     assert [(lease.outcome, lease.config) for lease in leases] == [
         ("done", config_text(NGRAM_3))
-    ] * 2, leases
+    ] * 2, (leases, rollout_log(pods))
     assert sorted(lease.replica for lease in leases) == ["a", "b"]
     assert_no_overlap(leases)
     moved = {pod.name: pod.vllm() for pod in pods}
@@ -349,7 +363,10 @@ def test_the_leaders_decision_reaches_both_vllms_one_restart_at_a_time_and_a_ref
     until(lambda: tried.ready()[0] == 200, START_S, "the rolled-back pod ready")
     time.sleep(10.0)  # the other replica's turn would have come by now
     after = lease_log(pg.url)[len(before) :]
-    assert [(lease.replica, lease.outcome) for lease in after] == [(tried.name, "failed")], after
+    assert [(lease.replica, lease.outcome) for lease in after] == [(tried.name, "failed")], (
+        after,
+        rollout_log(pods),
+    )
     assert after[0].holds and after[0].config == config_text(REFUSED)
     assert (rolled_back := tried.vllm()) is not None and rolled_back.config == NGRAM_3
     assert other.vllm() == moved[other.name]  # the same process, never restarted
