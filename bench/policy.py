@@ -40,7 +40,7 @@ import numpy as np
 
 from collectors.observations import RequestObservation
 from policies.arms import Arm, ConcurrencyBuckets, Context
-from policies.bandit import SpecPilotPolicy
+from policies.bandit import BanditConfig, SpecPilotPolicy
 from policies.base import Clock, Policy
 from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, StaticPolicy
 from policies.estimators import ChangeEvent
@@ -89,8 +89,11 @@ def entrants(scenario: Scenario, seed: int = 0) -> list[Entrant]:
     buckets = ConcurrencyBuckets()
     arms = scenario.arms
 
+    # The scenarios name each proposer by its method, so "ngram" is the model-free one.
+    config = BanditConfig(cold_proposer="ngram" if "ngram" in scenario.proposers else None)
+
     def specpilot(clock: Clock) -> Policy:
-        return SpecPilotPolicy(arms, clock=clock, rng=np.random.default_rng(seed))
+        return SpecPilotPolicy(arms, clock=clock, rng=np.random.default_rng(seed), config=config)
 
     def oracle(clock: Clock) -> Policy:
         return BatchOracle(scenario, clock)

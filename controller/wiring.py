@@ -58,6 +58,9 @@ def bandit_config(settings: Settings, topology: Topology = "shared") -> BanditCo
     if pushes:
         # One config per engine at a time: the data cannot split drafting from the step.
         params.setdefault("draft_cost_prior", PUSH_DRAFT_COST_PRIOR)
+    else:
+        # A push restarts engines: nothing is pushed before there is evidence for it.
+        params.setdefault("cold_proposer", model_free_proposer(settings))
     return BanditConfig(
         buckets=ConcurrencyBuckets(tuple(settings.buckets)),
         dwell_s=settings.policy.min_dwell_s,
@@ -65,6 +68,19 @@ def bandit_config(settings: Settings, topology: Topology = "shared") -> BanditCo
         moves_need_evidence=pushes,
         **params,
     )
+
+
+def model_free_proposer(settings: Settings) -> str | None:
+    """The fleet's n-gram proposer (by name; the first, where several pools name
+    one), which drafts by a lookup in the prompt: what ``BanditConfig.cold_proposer``
+    serves a class with before it has a plan."""
+    names = {
+        name
+        for pool in settings.fleet.pools.values()
+        for name, proposer in pool.proposers.items()
+        if proposer.method == "ngram"
+    }
+    return min(names) if names else None
 
 
 EXPLORING = frozenset({"explore", "probe", "trial"})

@@ -115,6 +115,17 @@ class ConcurrencyBuckets:
     def bucket(self, concurrency: int) -> str:
         return self.label(self.index(concurrency))
 
+    def upper(self, label: str) -> int | None:
+        """The most concurrent requests a bucket holds; None where there is no bound
+        (the open bucket, or a label not of these buckets)."""
+        labels = self.labels
+        if label not in labels:
+            return None
+        index = labels.index(label)
+        if index == len(self.lower_edges) - 1:
+            return None
+        return self.lower_edges[index + 1] - 1
+
     @property
     def labels(self) -> tuple[str, ...]:
         return tuple(self.label(i) for i in range(len(self.lower_edges)))

@@ -245,7 +245,7 @@ class SpecPilotPolicy:
             return Route(override.arm, "override")
         commitment = self.commitment.commitments.get(context)
         if commitment is None:
-            return Route(OFF, "learning")
+            return Route(self._cold_arm(context), "learning")
         plan = self.planner.plans.get((context.model, context.bucket))
         return Route(
             commitment.arm,
@@ -254,6 +254,19 @@ class SpecPilotPolicy:
             commitment.interval,
             self.exploration.entries(context, commitment.arm, plan),
         )
+
+    def _cold_arm(self, context: Context) -> Arm:
+        """The arm of a class before its bucket's plan has it: ``cold_proposer`` at
+        its smallest γ where the bucket's batch stays within ``cold_max_positions``
+        verified positions a step, else off."""
+        proposer = self.config.cold_proposer
+        if proposer is None or proposer not in self.gammas:
+            return OFF
+        gamma = min(self.gammas[proposer])
+        most = self.config.buckets.upper(context.bucket)
+        if most is None or most * (gamma + 1) > self.config.cold_max_positions:
+            return OFF
+        return Arm(proposer, gamma)
 
     def _publish(self, model: str, bucket: str) -> None:
         """Route every context of a bucket as its latest plan and commitments say."""

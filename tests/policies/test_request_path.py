@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from policy_sim import run_specpilot, scenario
 
 from collectors.observations import RequestObservation
-from policies.arms import OFF, Context
-from policies.bandit import SpecPilotPolicy
+from policies.arms import OFF, Arm, Context
+from policies.bandit import BanditConfig, SpecPilotPolicy
 from policies.bandit.exploration import _Trial
 
 MODEL = "sim-model"
@@ -97,3 +98,23 @@ def test_a_knee_trial_ending_on_the_request_path_is_published_off_it() -> None:
     routes = policy.routes()
     assert published == [(MODEL, "2-3")]
     assert all(why != "trial" for _, _, why in routes[context].explore)
+
+
+def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_small_batches() -> (
+    None
+):
+    """``cold_proposer`` at its smallest γ where the bucket's whole batch verifies at most
+    ``cold_max_positions`` a step (1 to 3 streams at γ = 2), off elsewhere and without
+    one."""
+    arms = scenario(duration_s=10).arms
+
+    def policy(config: BanditConfig | None = None) -> SpecPilotPolicy:
+        return SpecPilotPolicy(arms, clock=lambda: 0.0, rng=np.random.default_rng(0), config=config)
+
+    cold = policy(BanditConfig(cold_proposer="ngram"))
+    smallest = min(arm.gamma for arm in arms if arm.proposer == "ngram")
+    assert cold.choose(Context(MODEL, "code", "1")).arm == Arm("ngram", smallest)
+    assert cold.choose(Context(MODEL, "code", "2-3")).arm == Arm("ngram", smallest)
+    assert cold.choose(Context(MODEL, "code", "8-15")).arm == OFF
+    assert cold.choose(Context(MODEL, "code", "32+")).arm == OFF
+    assert policy().choose(Context(MODEL, "code", "1")).arm == OFF
