@@ -37,10 +37,9 @@ def bucket_of(concurrency: int | None, lower_edges: Sequence[int]) -> str:
 def bucket_range(label: str, lower_edges: Sequence[int], cap: int) -> tuple[int, int]:
     """Inclusive batch-size range of a bucket, the open one capped at ``cap``."""
     buckets = ConcurrencyBuckets(tuple(lower_edges))
-    index = buckets.labels.index(label)
-    low = lower_edges[index]
-    high = lower_edges[index + 1] - 1 if index + 1 < len(lower_edges) else max(cap, low)
-    return low, high
+    low = lower_edges[buckets.labels.index(label)]
+    high = buckets.upper(label)
+    return low, high if high is not None else max(cap, low)
 
 
 def bucket_order(label: str) -> tuple[int, str]:

@@ -135,11 +135,10 @@ class ConcurrencyBuckets:
 
         The geometric middle of a closed bucket; 1.5 × the lower edge for the open one.
         """
-        index = self.labels.index(label)
-        low = self.lower_edges[index]
-        if index == len(self.lower_edges) - 1:
+        low = self.lower_edges[self.labels.index(label)]
+        high = self.upper(label)
+        if high is None:
             return 1.5 * low
-        high = self.lower_edges[index + 1] - 1
         return float((low * high) ** 0.5)
 
     @classmethod
