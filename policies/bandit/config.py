@@ -126,13 +126,16 @@ class BanditConfig:
     nothing is known yet but the batch is small: a verify step of a few positions per
     sequence costs what a plain one does, and the drafting is a CPU lookup, while a
     class that suits n-gram gains at once (``bench policy --bound-check`` compares)."""
-    cold_max_positions: int = 16
+    cold_max_positions: int = 32
     """Where ``cold_proposer`` may serve a class that has no plan yet: where the
     bucket's most concurrent requests, each verifying γ + 1 positions a step, verify at
-    most this many per step (16: 1 to 3 streams at γ = 2; the open bucket never).
-    Decode stays memory-bound well past 16 tokens per step on the accelerators vLLM
-    serves (each step reads every weight once), so the verify step costs what a plain
-    one does there."""
+    most this many per step (32: 1 to 7 streams at γ = 2; the open bucket never).
+    Decode stays memory-bound up to a few dozen tokens per step on the accelerators
+    vLLM serves (each step reads every weight once, and even a small GPU does tens of
+    multiply-adds per byte it reads), so the verify step costs what a plain one does
+    there. Beyond that the knee may be near, and a cold class with n-gram acceptance
+    near zero (most classes not copying from their prompt) would slow its batch; the
+    bound check loses goodput with 48."""
     topology: Topology = "shared"
     """``shared``: a model's arms share one batch (one engine serves every config, as in
     the simulator's fast mode). ``per_arm``: each arm runs in its own engine (routing

@@ -104,7 +104,7 @@ def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_
     None
 ):
     """``cold_proposer`` at its smallest γ where the bucket's whole batch verifies at most
-    ``cold_max_positions`` a step (1 to 3 streams at γ = 2), off elsewhere and without
+    ``cold_max_positions`` a step (1 to 7 streams at γ = 2), off elsewhere and without
     one."""
     arms = scenario(duration_s=10).arms
 
@@ -115,6 +115,7 @@ def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_
     smallest = min(arm.gamma for arm in arms if arm.proposer == "ngram")
     assert cold.choose(Context(MODEL, "code", "1")).arm == Arm("ngram", smallest)
     assert cold.choose(Context(MODEL, "code", "2-3")).arm == Arm("ngram", smallest)
+    assert cold.choose(Context(MODEL, "code", "4-7")).arm == Arm("ngram", smallest)
     assert cold.choose(Context(MODEL, "code", "8-15")).arm == OFF
     assert cold.choose(Context(MODEL, "code", "32+")).arm == OFF
     assert policy().choose(Context(MODEL, "code", "1")).arm == OFF
