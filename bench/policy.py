@@ -40,7 +40,7 @@ import numpy as np
 
 from collectors.observations import RequestObservation
 from policies.arms import Arm, ConcurrencyBuckets, Context
-from policies.bandit import BanditConfig, SpecPilotPolicy
+from policies.bandit import DRAFT_COST_PRIOR, BanditConfig, SpecPilotPolicy
 from policies.base import Clock, Policy
 from policies.baselines import UCB1, BatchSizeTable, EpsilonGreedy, OraclePolicy, StaticPolicy
 from policies.estimators import ChangeEvent
@@ -90,7 +90,12 @@ def entrants(scenario: Scenario, seed: int = 0) -> list[Entrant]:
     arms = scenario.arms
 
     # The scenarios name each proposer by its method, so "ngram" is the model-free one.
-    config = BanditConfig(cold_proposer="ngram" if "ngram" in scenario.proposers else None)
+    # Every class starts on it in the one shared engine: the first step times are of
+    # one arm (see ``DRAFT_COST_PRIOR``).
+    cold = "ngram" if "ngram" in scenario.proposers else None
+    config = BanditConfig(
+        cold_proposer=cold, draft_cost_prior=DRAFT_COST_PRIOR if cold is not None else None
+    )
 
     def specpilot(clock: Clock) -> Policy:
         return SpecPilotPolicy(arms, clock=clock, rng=np.random.default_rng(seed), config=config)

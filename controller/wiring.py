@@ -22,7 +22,7 @@ from controller.fleet import pool_arms
 from controller.ports import ArmChoice, ArmEstimate, Collected, DriftEvent, Route, Routed
 from controller.settings import Settings
 from policies.arms import OFF, Arm, ConcurrencyBuckets
-from policies.bandit import BanditConfig, SpecPilotPolicy
+from policies.bandit import DRAFT_COST_PRIOR, BanditConfig, SpecPilotPolicy
 from policies.fleet import Topology
 
 
@@ -57,7 +57,7 @@ def bandit_config(settings: Settings, topology: Topology = "shared") -> BanditCo
     pushes = settings.actuators.mode == "push"
     if pushes:
         # One config per engine at a time: the data cannot split drafting from the step.
-        params.setdefault("draft_cost_prior", PUSH_DRAFT_COST_PRIOR)
+        params.setdefault("draft_cost_prior", DRAFT_COST_PRIOR)
     else:
         # A push restarts engines: nothing is pushed before there is evidence for it.
         params.setdefault("cold_proposer", model_free_proposer(settings))
@@ -85,14 +85,6 @@ def model_free_proposer(settings: Settings) -> str | None:
 
 EXPLORING = frozenset({"explore", "probe", "trial"})
 """The reasons of a request served by another arm than its context's committed one."""
-
-PUSH_DRAFT_COST_PRIOR = 0.05
-"""Drafting cost per draft position, as a share of a plain step, that push mode assumes
-until the fleet runs a second arm: a verify step of γ = 4 then costs 1.2 plain steps,
-so a proposer whose acceptance collapses (about one token per step) is predicted to
-lose, as the seeds' break-even says, while a healthy one (three tokens per step) is not
-mistaken for a loss. Evidence with contrast (another γ, another proposer, or off on the
-same engine) outweighs it; ``policy.params.draft_cost_prior`` sets another."""
 
 
 class BanditControlPolicy:

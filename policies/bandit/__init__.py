@@ -60,6 +60,7 @@ from policies.bandit.commitment import _Commitment
 from policies.bandit.config import (
     DEFAULT_CLASS,
     DEFAULT_MODEL,
+    DRAFT_COST_PRIOR,
     WILDCARD,
     BanditConfig,
     Decision,
@@ -76,6 +77,7 @@ from policies.bandit.state import STATE_VERSION
 __all__ = [
     "DEFAULT_CLASS",
     "DEFAULT_MODEL",
+    "DRAFT_COST_PRIOR",
     "STATE_VERSION",
     "WILDCARD",
     "_EXPLORING",

@@ -94,12 +94,23 @@ class Planner:
         observations = self.learning.observations.get(model, 0)
         # Early on every observation changes the picture a lot: re-plan more often.
         every = min(self.config.refresh_observations, max(4, observations // 4))
-        if plan is not None and (
-            observations - plan.observations < every and now - plan.at < self.config.refresh_s
+        if (
+            plan is not None
+            and observations - plan.observations < every
+            and now - plan.at < self.config.refresh_s
+            and not self._lacks_a_class(model, plan)
         ):
             return False
         self.plan(model, bucket, now, observations, rng)
         return True
+
+    def _lacks_a_class(self, model: str, plan: _Plan) -> bool:
+        """Whether a class finished its first requests since the plan was made: until
+        a plan has it, the class gets no probes and runs off (or cold), which costs most
+        for the long requests that finish last."""
+        shares = self.learning.token_shares.get(model, {})
+        # ``thompson`` has an arm for every class the plan weighed, and is saved.
+        return any(v > 0 and c not in plan.thompson for c, v in shares.items())
 
     def plan(
         self, model: str, bucket: str, now: float, observations: int, rng: np.random.Generator

@@ -258,9 +258,20 @@ class SpecPilotPolicy:
     def _cold_arm(self, context: Context) -> Arm:
         """The arm of a class before its bucket's plan has it: ``cold_proposer`` at
         its smallest γ where the bucket's batch stays within ``cold_max_positions``
-        verified positions a step, else off."""
+        verified positions a step, else off.
+
+        The blind start bets on the prior's guess at the class's acceptance; a class
+        whose own requests already put it below that guess (a new bucket of a class
+        seen elsewhere) waits off for its plan instead."""
         proposer = self.config.cold_proposer
         if proposer is None or proposer not in self.gammas:
+            return OFF
+        seen = self.learning.acceptance.get((context.model, context.workload_class, proposer))
+        if (
+            seen is not None
+            and seen.requests >= self.config.first_probes
+            and seen.mean_conditionals()[0] < seen.prior_mean
+        ):
             return OFF
         gamma = min(self.gammas[proposer])
         most = self.config.buckets.upper(context.bucket)

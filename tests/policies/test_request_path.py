@@ -104,7 +104,7 @@ def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_
     None
 ):
     """``cold_proposer`` at its smallest γ where the bucket's whole batch verifies at most
-    ``cold_max_positions`` a step (1 to 7 streams at γ = 2), off elsewhere and without
+    ``cold_max_positions`` a step (1 to 15 streams at γ = 2), off elsewhere and without
     one."""
     arms = scenario(duration_s=10).arms
 
@@ -116,6 +116,47 @@ def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_
     assert cold.choose(Context(MODEL, "code", "1")).arm == Arm("ngram", smallest)
     assert cold.choose(Context(MODEL, "code", "2-3")).arm == Arm("ngram", smallest)
     assert cold.choose(Context(MODEL, "code", "4-7")).arm == Arm("ngram", smallest)
-    assert cold.choose(Context(MODEL, "code", "8-15")).arm == OFF
+    assert cold.choose(Context(MODEL, "code", "8-15")).arm == Arm("ngram", smallest)
+    assert cold.choose(Context(MODEL, "code", "16-31")).arm == OFF
     assert cold.choose(Context(MODEL, "code", "32+")).arm == OFF
     assert policy().choose(Context(MODEL, "code", "1")).arm == OFF
+
+
+def test_a_class_whose_requests_put_the_model_free_proposer_below_the_prior_starts_off() -> (
+    None
+):
+    """The cold start bets on the prior's acceptance (0.5 at the first position): in a
+    bucket it enters later, a class whose n-gram requests accepted less waits off for
+    its bucket's plan, and one whose requests accepted more starts on n-gram."""
+    arms = scenario(duration_s=10).arms
+    policy = SpecPilotPolicy(
+        arms,
+        clock=lambda: 0.0,
+        rng=np.random.default_rng(0),
+        config=BanditConfig(cold_proposer="ngram"),
+    )
+    smallest = min(arm.gamma for arm in arms if arm.proposer == "ngram")
+    for cls, accepted in (("prose", 0.1), ("json", 0.9)):
+        policy.learning.acceptance_model((MODEL, cls, "ngram")).update(
+            [100 * accepted, 100 * accepted**2], 100, 0.0
+        )
+    assert policy.choose(Context(MODEL, "prose", "4-7")).arm == OFF
+    assert policy.choose(Context(MODEL, "json", "4-7")).arm == Arm("ngram", smallest)
+    assert policy.choose(Context(MODEL, "code", "4-7")).arm == Arm("ngram", smallest)
+
+
+def test_a_class_that_finishes_its_first_request_has_its_bucket_planned_at_once() -> None:
+    """A plan gives a class its probes; one made before the class finished a request
+    left it out, and the class would wait off for the next refresh (its long requests
+    finish last). Its first finished request re-plans the bucket, the next does not."""
+    policy = _learned()
+    newcomer = Context(MODEL, "rare", "2-3")
+    assert "rare" not in policy.planner.plans[(MODEL, "2-3")].thompson
+    planned = _count_plans(policy)
+    policy.choose(newcomer)
+    policy.observe(_finished(newcomer, policy.clock()))
+    assert planned == [(MODEL, "2-3")]
+    assert "rare" in policy.planner.plans[(MODEL, "2-3")].thompson
+    policy.choose(newcomer)
+    policy.observe(_finished(newcomer, policy.clock()))
+    assert planned == [(MODEL, "2-3")]
