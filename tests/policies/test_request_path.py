@@ -122,9 +122,7 @@ def test_a_class_without_a_plan_speculates_with_the_model_free_proposer_only_in_
     assert policy().choose(Context(MODEL, "code", "1")).arm == OFF
 
 
-def test_a_class_whose_requests_put_the_model_free_proposer_below_the_prior_starts_off() -> (
-    None
-):
+def test_a_class_whose_n_gram_requests_accepted_below_the_prior_starts_off() -> None:
     """The cold start bets on the prior's acceptance (0.5 at the first position): in a
     bucket it enters later, a class whose n-gram requests accepted less waits off for
     its bucket's plan, and one whose requests accepted more starts on n-gram."""
