@@ -28,16 +28,16 @@ DRAFT_COST_PRIOR = 0.05
 """The ``draft_cost_prior`` of an engine whose first step times all come from one arm:
 one running one config at a time (push mode), or one engine serving every arm whose
 classes all start on the cold proposer (``cold_proposer`` in the shared topology, as
-``bench policy`` runs it). Step times
-of one arm cannot split drafting from the plain step; without a prior the ridge splits
-them by minimum norm and calls drafting most of the step, so the first plans flee the
-proposer that works. At 0.05 a verify step of γ = 4 costs 1.2 plain steps: a proposer
-whose acceptance collapses (about one token per step) is predicted to lose, a healthy
-one (three tokens per step) is not mistaken for a loss. Evidence with contrast (another
-γ, another proposer, or off in the same engine) outweighs it. Not the default: where
-pools run one arm each (routing), off's pool gives the plain step, and in the replay of
-a gateway's observations (tests/policies/test_policy_gateway_observations.py) the prior
-left n-gram off after 60 requests in 5 of 30 seeds, against 3 without."""
+``bench policy`` runs it). Step times of one arm cannot split drafting from the plain
+step; without a prior the ridge splits them by minimum norm and calls drafting most of
+the step, so the first plans flee the proposer that works. At 0.05 a verify step of
+γ = 4 costs 1.2 plain steps: a proposer whose acceptance collapses (about one token per
+step) is predicted to lose, a healthy one (three tokens per step) is not mistaken for a
+loss. Evidence with contrast (another γ, another proposer, or off in the same engine)
+outweighs it. Not the default: where pools run one arm each (routing), off's pool gives
+the plain step, and in the replay of a gateway's observations
+(tests/policies/test_policy_gateway_observations.py) the prior left n-gram off after 60
+requests in 5 of 30 seeds, against 3 without."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,13 +266,11 @@ class SpecPilotPolicy:
         proposer = self.config.cold_proposer
         if proposer is None or proposer not in self.gammas:
             return OFF
-        seen = self.learning.acceptance.get((context.model, context.workload_class, proposer))
-        if (
-            seen is not None
-            and seen.requests >= self.config.first_probes
-            and seen.mean_conditionals()[0] < seen.prior_mean
-        ):
-            return OFF
+        key = (context.model, context.workload_class, proposer)
+        if not self.exploration.unseen(*key):
+            seen = self.learning.acceptance[key]
+            if seen.mean_conditionals()[0] < seen.prior_mean:
+                return OFF
         gamma = min(self.gammas[proposer])
         most = self.config.buckets.upper(context.bucket)
         if most is None or most * (gamma + 1) > self.config.cold_max_positions:
