@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OFF_NAME = "off"
 
@@ -92,6 +92,8 @@ class ConcurrencyBuckets:
     """
 
     lower_edges: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    _labels: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """:attr:`labels`, made once: the gateway labels every request's bucket."""
 
     def __post_init__(self) -> None:
         edges = self.lower_edges
@@ -99,6 +101,7 @@ class ConcurrencyBuckets:
             raise ValueError("bucket edges must start at 1")
         if any(b <= a for a, b in itertools.pairwise(edges)):
             raise ValueError(f"bucket edges must increase strictly: {edges}")
+        object.__setattr__(self, "_labels", tuple(self.label(i) for i in range(len(edges))))
 
     def index(self, concurrency: int) -> int:
         """Bucket index for a concurrency (values below 1 count as 1)."""
@@ -113,7 +116,7 @@ class ConcurrencyBuckets:
         return str(low) if high == low else f"{low}-{high}"
 
     def bucket(self, concurrency: int) -> str:
-        return self.label(self.index(concurrency))
+        return self._labels[self.index(concurrency)]
 
     def upper(self, label: str) -> int | None:
         """The most concurrent requests a bucket holds; None where there is no bound
@@ -128,7 +131,7 @@ class ConcurrencyBuckets:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return tuple(self.label(i) for i in range(len(self.lower_edges)))
+        return self._labels
 
     def representative(self, label: str) -> float:
         """A typical concurrency for a bucket, used before any has been observed there.

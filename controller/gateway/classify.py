@@ -107,11 +107,13 @@ class RequestKeys:
             self._names = {name.strip().lower(): name for name in listed}
             self._names.update({name: name for name in listed})
         self.classifier = classifier
-        self._constant = (
+        constant = (
             classifier.workload_class
             if type(classifier) is ConstantClassifier
             else (self.default_class if classifier is None else None)
         )
+        # Resolved once: it is what every unlabelled request gets, on the request path.
+        self._constant = self.named(constant) if constant is not None else None
         self.models = frozenset(models) if models is not None else None
         self._failures = 0
         self._reported_at: float | None = None
@@ -141,7 +143,7 @@ class RequestKeys:
         # Anything else in metadata (not an object, a number) names nothing: the
         # classifier decides, as for a request without it.
         if self._constant is not None:
-            return self.named(self._constant)
+            return self._constant
         assert self.classifier is not None
         try:
             if raw is None or isinstance(raw, Mapping):

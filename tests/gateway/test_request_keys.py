@@ -20,6 +20,7 @@ from collectors.observations import RequestObservation
 from controller.contexts import Context
 from controller.frontdoor import gateway_from
 from controller.gateway import RequestKeys, UnknownModel
+from controller.gateway.classify import ConstantClassifier
 from controller.gateway.table import SampledRouting
 from controller.ports import Routed
 from controller.settings import Settings
@@ -63,6 +64,23 @@ def test_a_named_class_outside_the_settings_is_the_default_class(
     header: str | None, body: dict[str, Any]
 ) -> None:
     assert RequestKeys(CLASSES, "chat").workload_class(header, body) == "chat"
+
+
+def test_a_constant_classifier_names_a_configured_class_or_the_default() -> None:
+    unlabelled: dict[str, Any] = {"prompt": "x"}
+    assert (
+        RequestKeys(CLASSES, "chat", ConstantClassifier(" Code ")).workload_class(None, unlabelled)
+        == "code"
+    )
+    assert (
+        RequestKeys(CLASSES, "chat", ConstantClassifier("poetry")).workload_class(None, unlabelled)
+        == "chat"
+    )
+    # Without settings, a constant that is no label is the default class too.
+    assert (
+        RequestKeys(classifier=ConstantClassifier("Bad Label!")).workload_class(None, unlabelled)
+        == "default"
+    )
 
 
 @pytest.mark.parametrize(
