@@ -511,6 +511,10 @@ def gateway_command(
         f"bench={upstream_url}",
         "--server",
         server,
+        # Observing, as `serve` does: every finished request's usage chunk decoded into an
+        # observation and batched to the supervising process (here written to nowhere).
+        "--observations",
+        os.devnull,
         *(["--workers", str(workers)] if workers is not None else []),
     ]
 
