@@ -39,8 +39,10 @@ floor for any HTTP hop, and the LiteLLM proxy, an OpenAI-compatible Python gatew
 the upstream as its ``hosted_vllm`` backend. At each level every proxy is measured the
 same way as the gateway, right after it: streams alternating between it and straight
 to the upstream, so each has a direct baseline taken beside it. The level then carries
-``proxies: {specpilot, nginx, litellm}`` (added p50 / p99, CPU per request of the
-proxy's whole process tree; with more than one worker also ``specpilot_1_worker``) and
+``proxies: {specpilot, nginx, litellm, python_relay}`` (added p50 / p99, CPU per request
+of the proxy's whole process tree; with more than one worker also ``specpilot_1_worker``;
+``python_relay`` is the bare relay of ``--gateway-server relay``, there to show what any
+Python hop on uvloop pays here, so that specpilot's own cost reads as the gap to it) and
 ``peer_checks``: specpilot's added p50 and p99 at most 1.5 × nginx's and 0.25 ×
 LiteLLM's, its CPU per request at most 0.25 × LiteLLM's (``peer_checks_1_worker``: the
 same for one worker), and ``peer_checks_settled``: per latency check, whether its
@@ -631,19 +633,29 @@ def litellm_proxy(
 
 
 @contextlib.contextmanager
+def relay_proxy(upstream_port: int, root: Path) -> Iterator[tuple[int, int]]:
+    """The bare uvloop relay (:func:`serve_relay`) in front of the upstream: (port, pid)."""
+    port = free_port()
+    command = gateway_command(port, f"http://127.0.0.1:{upstream_port}", "relay")
+    with child(command, f"http://127.0.0.1:{port}/v1/models", log=root / "relay.out") as pid:
+        yield port, pid
+
+
+@contextlib.contextmanager
 def peer_proxies(
     upstream_port: int, model: str, root: Path
 ) -> Iterator[dict[str, tuple[int, int]]]:
     """nginx and the LiteLLM proxy in front of the upstream (installed once if missing,
-    see :mod:`bench.peers`): name → (port, pid)."""
+    see :mod:`bench.peers`), and the bare Python relay as a reference: name → (port, pid)."""
     from bench.peers import ensure_litellm, ensure_nginx
 
     nginx, litellm = ensure_nginx(), ensure_litellm()
     with (
         nginx_proxy(nginx, upstream_port, root) as nginx_at,
         litellm_proxy(litellm, upstream_port, model, root) as litellm_at,
+        relay_proxy(upstream_port, root) as relay_at,
     ):
-        yield {"nginx": nginx_at, "litellm": litellm_at}
+        yield {"nginx": nginx_at, "litellm": litellm_at, "python_relay": relay_at}
 
 
 def _proxy_summary(result: LevelResult) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from bench.gateway import (
     peer_checks,
     process_cpu_s,
     process_tree,
+    relay_proxy,
     settled_checks,
 )
 from bench.peers import LITELLM_PACKAGE, litellm_env
@@ -161,4 +162,26 @@ def test_nginx_relays_the_replayed_stream_unbuffered() -> None:
                 await client.close()
 
         asyncio.run(stream())
+        assert process_cpu_s(pid) > 0
+
+
+def test_the_reference_relay_streams_the_replay_through() -> None:
+    port = free_port()
+    replay = [sys.executable, "-m", "bench.gateway", "--serve-replay", str(port),
+              "--chunk-interval-ms", "0"]  # fmt: skip
+    body = b'{"model": "tiny-llama", "prompt": "x", "stream": true}'
+    with (
+        tempfile.TemporaryDirectory() as root,
+        child(replay, f"http://127.0.0.1:{port}/v1/models"),
+        relay_proxy(port, Path(root)) as (relay_port, pid),
+    ):
+
+        async def stream() -> float:
+            client = StreamClient("127.0.0.1", relay_port, "/v1/completions", body)
+            try:
+                return sum([(await client.run()).total_s for _ in range(3)])
+            finally:
+                await client.close()
+
+        assert asyncio.run(stream()) > 0
         assert process_cpu_s(pid) > 0
