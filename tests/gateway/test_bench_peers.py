@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,50 +140,50 @@ def test_litellm_is_pinned_and_kept_apart_from_the_project() -> None:
     assert ".venv" not in litellm_env().parts and version in litellm_env().name
 
 
-@pytest.mark.skipif(not _HAVE_NGINX, reason="no nginx (bench.peers.ensure_nginx installs it)")
-def test_nginx_relays_the_replayed_stream_unbuffered() -> None:
-    nginx = Path(shutil.which("nginx") or "/usr/sbin/nginx")
+@contextlib.contextmanager
+def _replay() -> Iterator[int]:
+    """The replay upstream, events back to back: its port."""
     port = free_port()
     replay = [sys.executable, "-m", "bench.gateway", "--serve-replay", str(port),
               "--chunk-interval-ms", "0"]  # fmt: skip
+    with child(replay, f"http://127.0.0.1:{port}/v1/models"):
+        yield port
+
+
+def _stream_through(port: int) -> None:
+    """Three streams through the proxy at ``port``, each a complete chunked reply."""
     body = b'{"model": "tiny-llama", "prompt": "x", "stream": true}'
+
+    async def stream() -> None:
+        client = StreamClient("127.0.0.1", port, "/v1/completions", body)
+        try:
+            for _ in range(3):
+                timing = await client.run()
+                assert 0 < timing.ttfb_s <= timing.total_s
+        finally:
+            await client.close()
+
+    asyncio.run(stream())
+
+
+@pytest.mark.skipif(not _HAVE_NGINX, reason="no nginx (bench.peers.ensure_nginx installs it)")
+def test_nginx_relays_the_replayed_stream_unbuffered() -> None:
+    nginx = Path(shutil.which("nginx") or "/usr/sbin/nginx")
     with (
         tempfile.TemporaryDirectory() as root,
-        child(replay, f"http://127.0.0.1:{port}/v1/models"),
+        _replay() as port,
         nginx_proxy(nginx, port, Path(root)) as (nginx_port, pid),
     ):
         assert len(process_tree(pid)) == 2  # master and its one worker
-
-        async def stream() -> None:
-            client = StreamClient("127.0.0.1", nginx_port, "/v1/completions", body)
-            try:
-                for _ in range(3):
-                    timing = await client.run()
-                    assert 0 < timing.ttfb_s <= timing.total_s
-            finally:
-                await client.close()
-
-        asyncio.run(stream())
+        _stream_through(nginx_port)
         assert process_cpu_s(pid) > 0
 
 
 def test_the_reference_relay_streams_the_replay_through() -> None:
-    port = free_port()
-    replay = [sys.executable, "-m", "bench.gateway", "--serve-replay", str(port),
-              "--chunk-interval-ms", "0"]  # fmt: skip
-    body = b'{"model": "tiny-llama", "prompt": "x", "stream": true}'
     with (
         tempfile.TemporaryDirectory() as root,
-        child(replay, f"http://127.0.0.1:{port}/v1/models"),
+        _replay() as port,
         relay_proxy(port, Path(root)) as (relay_port, pid),
     ):
-
-        async def stream() -> float:
-            client = StreamClient("127.0.0.1", relay_port, "/v1/completions", body)
-            try:
-                return sum([(await client.run()).total_s for _ in range(3)])
-            finally:
-                await client.close()
-
-        assert asyncio.run(stream()) > 0
+        _stream_through(relay_port)
         assert process_cpu_s(pid) > 0
