@@ -168,7 +168,10 @@ def test_prometheus_source_shows_the_same_acceptance_as_the_scrape(
                 await runtime.service.loop.tick()
             prometheus.wait_for("count_over_time(vllm:spec_decode_num_drafts_total[1h]) >= 2")
             # Both windows open on an idle worker and close on one, so their ends agree.
-            await asyncio.sleep(1.5)
+            # The Prometheus source skips a round less than half its window (4 s) after
+            # the last: sooner, its window would open at the first tick, on a sample
+            # Prometheus may have taken before the first traffic's end.
+            await asyncio.sleep(2.5)
             for runtime in (scraping, reading):
                 await runtime.service.loop.tick()
             await run_streams(server.base_url, count=1, requests_each=16, seed=100)
