@@ -640,11 +640,17 @@ class ControlLoop:
     def _tally_routes(self, observations: Sequence[RequestObservation]) -> None:
         """Count where each context's requests went (routing mode): on its arm, or on
         another the policy explored. They were routed before this iteration's decisions,
-        so they are held against the arms of the previous one."""
+        so they are held against the arms of the previous one. A request that finished
+        before its context's arm last changed is not counted, however late it arrives:
+        the gateway hands its observations over in batches, and the share is of the
+        requests since the change."""
         edges = self.settings.buckets
         for observation in observations:
             context = context_of(observation, edges)
             if context not in self._known:
+                continue
+            finished = observation.finished_at
+            if finished is not None and finished <= self.changed_at.get(context, -math.inf):
                 continue
             share = self.routes.get(context)
             if share is None:

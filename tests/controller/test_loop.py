@@ -27,6 +27,7 @@ from controller.store.leader import AdvisoryLockLeader
 from controller.store.records import OverrideRecord, Scope
 from tests.controller.conftest import PgDatabase, make_settings
 from tests.controller.fakes import QueueSource, ScriptedPolicy, observation
+from tests.controller.test_settings_modes import routing
 
 CODE_LOW = Context("m", "code", "1-3")
 CODE_HIGH = Context("m", "code", "4+")
@@ -477,3 +478,31 @@ def test_a_stored_arm_the_fleet_no_longer_offers_is_not_restored(tmp_path: Path)
         assert second.actuator.calls[-1][0][0].config is None
     finally:
         second.close()
+
+
+def test_routed_share_counts_the_requests_finished_since_the_arm_changed(tmp_path: Path) -> None:
+    """Routing mode's ``routed_requests`` and ``explored_share``: a request the gateway
+    hands over after the decision but that finished before it belongs to the old arm's
+    share, not the new one's, however late its batch arrives."""
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        classes=["code", "chat"],
+        buckets=[1, 4],
+        policy={"min_dwell_s": 0},
+        **routing(),
+    )
+    harness = Harness(settings)
+    try:
+        harness.tick(1000.0)
+        harness.policy.script[CODE_LOW] = "ngram:4"
+        harness.tick(1010.0)
+        assert harness.loop.changed_at[CODE_LOW] == 1010.0
+        late = observation("off", 0.02, finished_at=1009.9)
+        after = [observation("ngram:4", 0.01, finished_at=1010.5 + i) for i in range(3)]
+        explored = observation("off", 0.02, finished_at=1011.0)
+        harness.source.batches.append(Collected((late, *after, explored)))
+        harness.tick(1012.0)
+        share = harness.loop.routes[CODE_LOW]
+        assert (share.requests, share.elsewhere) == (4, 1)
+    finally:
+        harness.close()
