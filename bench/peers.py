@@ -40,13 +40,20 @@ class PeerUnavailable(RuntimeError):
     """A peer proxy cannot be prepared here; the message says how to provide it."""
 
 
-def ensure_nginx() -> Path:
-    """The nginx binary, installed from Debian's package when missing (as root)."""
+def installed_nginx() -> Path | None:
+    """The nginx binary, where one is installed (root's PATH holds /usr/sbin, a user's
+    may not)."""
     found = shutil.which("nginx") or next(
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
     )
+    return Path(found) if found else None
+
+
+def ensure_nginx() -> Path:
+    """The nginx binary, installed from Debian's package when missing (as root)."""
+    found = installed_nginx()
     if found:
-        return Path(found)
+        return found
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise PeerUnavailable(
             "nginx is not installed: run `apt-get update && apt-get install -y nginx` as root"
