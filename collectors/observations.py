@@ -70,7 +70,9 @@ class RequestObservation:
     arm: str | None = None
     """The (proposer, γ) arm that served it, e.g. ``"ngram:4"`` or ``"off"``."""
     concurrency: int | None = None
-    """Requests in flight to the same pool when this one started (itself included)."""
+    """Requests of the same model in flight when this one started (itself included):
+    the count that placed it in its concurrency bucket, so that it is counted in the
+    context it was routed in. A gateway counts every pool of the model."""
     finished_at: float | None = None
     """Seconds on the injected clock (wall clock in the service)."""
     e2e_s: float | None = None

@@ -208,13 +208,11 @@ class ResponseAborted(Exception):
 class _Attempt:
     """One try of a request on one instance, counted in flight until it is released."""
 
-    __slots__ = ("concurrency", "connection", "head", "instance", "outcome", "pool", "sent")
+    __slots__ = ("connection", "head", "instance", "outcome", "pool", "sent")
 
-    def __init__(self, pool: Pool, instance: Instance, concurrency: int) -> None:
+    def __init__(self, pool: Pool, instance: Instance) -> None:
         self.pool = pool
         self.instance = instance
-        self.concurrency = concurrency
-        """The pool's requests in flight with this one, when it started."""
         self.connection: UpstreamConnection | None = None
         self.head: ResponseHead | None = None
         self.sent = 0.0
@@ -367,7 +365,7 @@ class Gateway:
         pool_name = arm = NO_POOL
         try:
             attempt = await self._first_answer(
-                request, self.fleet.default_pool, headers, body, None, ""
+                request, self.fleet.default_pool, headers, body, None
             )
             if attempt is None:
                 await _send_unavailable(response)
@@ -449,15 +447,16 @@ class Gateway:
 
         fleet = self.fleet
         metrics = self.metrics
-        bucket = self.buckets.bucket(fleet.begin(model))
+        in_flight = fleet.begin(model)
+        bucket = self.buckets.bucket(in_flight)
+        if span is not None:
+            span.set_attributes({"specpilot.concurrency": in_flight, "specpilot.bucket": bucket})
         status: int | str = DISCONNECTED
         served = arm = NO_POOL  # labels: the pool that answered, and its arm
         try:
             pool_name = served = self.routing.pool_for(model, workload_class, bucket)
             headers = _forward_headers(request.headers)
-            attempt = await self._first_answer(
-                request, pool_name, headers, upstream_body, span, bucket
-            )
+            attempt = await self._first_answer(request, pool_name, headers, upstream_body, span)
             if attempt is None:
                 await _send_unavailable(response)
                 status = 503
@@ -488,9 +487,7 @@ class Gateway:
                 if head.status >= 400:
                     _span_refused(span, head.status, str(head.status))
             if (self.sink is not None or span is not None) and head.status == 200:
-                self._observe(
-                    document, model, workload_class, pool, attempt.concurrency, started, span
-                )
+                self._observe(document, model, workload_class, pool, in_flight, started, span)
         finally:
             fleet.end(model)
             if metrics is not None:
@@ -505,13 +502,12 @@ class Gateway:
         headers: Headers,
         body: bytes,
         span: Span | None,
-        bucket: str,
     ) -> _Attempt | None:
         """The attempt whose response head came first, still counted in flight (the
         caller relays it and releases it); None when no instance could answer (logged,
         at most once per ``LOG_EVERY_S`` per pool, with what each attempt came to)."""
         attempts: list[_Attempt] = []
-        winner = await self._race(request, pool_name, headers, body, span, bucket, attempts)
+        winner = await self._race(request, pool_name, headers, body, span, attempts)
         if winner is None:
             key = (pool_name, "")
             throttled = self._troubles.get(key)
@@ -532,7 +528,6 @@ class Gateway:
         headers: Headers,
         body: bytes,
         span: Span | None,
-        bucket: str,
         attempts: list[_Attempt],
     ) -> _Attempt | None:
         """:meth:`_first_answer`'s work; every attempt started is added to ``attempts``.
@@ -551,7 +546,7 @@ class Gateway:
         try:
             while True:
                 if len(late) == len(open_):
-                    attempt = self._next_attempt(pool_name, tried, span, bucket)
+                    attempt = self._next_attempt(pool_name, tried, span)
                     if attempt is not None:
                         attempts.append(attempt)
                     if attempt is not None and not open_:
@@ -602,7 +597,7 @@ class Gateway:
                 self._drop(attempt)
 
     def _next_attempt(
-        self, pool_name: str, tried: list[Instance], span: Span | None, bucket: str
+        self, pool_name: str, tried: list[Instance], span: Span | None
     ) -> _Attempt | None:
         """A new attempt on the least-loaded instance not tried yet, counted in flight;
         None when ``max_attempts`` are spent or no instance is left."""
@@ -616,10 +611,10 @@ class Gateway:
         if tried and self.metrics is not None:
             self.metrics.retry(pool.name)
         tried.append(instance)
-        concurrency = fleet.acquire(pool, instance)
+        fleet.acquire(pool, instance)
         if span is not None:
-            _span_attempt(span, pool, instance, concurrency, bucket, len(tried))
-        return _Attempt(pool, instance, concurrency)
+            _span_attempt(span, pool, instance, len(tried))
+        return _Attempt(pool, instance)
 
     def _watch_late(
         self,
@@ -808,17 +803,13 @@ _REQUEST_ATTRIBUTES = (
 )
 
 
-def _span_attempt(
-    span: Span, pool: Pool, instance: Instance, concurrency: int, bucket: str, attempt: int
-) -> None:
+def _span_attempt(span: Span, pool: Pool, instance: Instance, attempt: int) -> None:
     span.set_attributes(
         {
             "server.address": instance.host,
             "server.port": instance.port,
             "specpilot.pool": pool.name,
             "specpilot.arm": pool.arm or "unknown",
-            "specpilot.concurrency": concurrency,
-            "specpilot.bucket": bucket,
             "specpilot.attempts": attempt,
         }
     )

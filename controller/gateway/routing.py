@@ -161,7 +161,7 @@ class Pool:
 
 class InFlightShare(Protocol):
     """In-flight counts shared by the processes that serve one gateway: told this
-    process's count of a key (``model:NAME``, ``pool:NAME``), answers the total."""
+    process's count of a key (``model:NAME``), answers the total."""
 
     def count(self, key: str, local: int) -> int: ...
 
@@ -277,22 +277,16 @@ class Fleet:
                 best = instance
         return best
 
-    def acquire(self, pool: Pool, instance: Instance) -> int:
-        """Count an attempt as in flight; returns the pool's in-flight count, itself included."""
+    def acquire(self, pool: Pool, instance: Instance) -> None:
+        """Count an attempt as in flight (its instance's count sets the least-loaded pick)."""
         instance.in_flight += 1
         pool.in_flight += 1
-        shared = self.shared
-        return (
-            pool.in_flight if shared is None else shared.count(f"pool:{pool.name}", pool.in_flight)
-        )
 
     def release(self, pool: Pool, instance: Instance, *, ok: bool | None) -> None:
         """End an attempt; a failure counts toward ejecting the instance, a success
         clears its record, and None (the client left first) does neither."""
         instance.in_flight -= 1
         pool.in_flight -= 1
-        if self.shared is not None:
-            self.shared.count(f"pool:{pool.name}", pool.in_flight)
         if ok is None:
             return
         if ok:

@@ -194,9 +194,8 @@ def _pool_by_arm(fleet: Fleet) -> dict[str, str]:
 
 def shared_keys(spec: WorkerSpec) -> tuple[str, ...]:
     """The in-flight counts the workers share (``Fleet.shared``): per model (and for
-    requests naming none) and per pool."""
-    models = [*(spec.models or ()), None]
-    return (*(f"model:{m}" for m in models), *(f"pool:{name}" for name, _, _ in spec.pools))
+    requests naming none), which place a request in its concurrency bucket."""
+    return tuple(f"model:{m}" for m in [*(spec.models or ()), None])
 
 
 class SharedInFlight:

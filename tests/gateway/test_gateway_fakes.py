@@ -31,11 +31,11 @@ class FakeClock:
         return self.now
 
 
-def start_replay(loop_thread: LoopThread) -> tuple[ReplayUpstream, str]:
+def start_replay(loop_thread: LoopThread, interval_s: float = 0.0) -> tuple[ReplayUpstream, str]:
     upstream = ReplayUpstream(
         sse_events(FIXTURES / "completion-ngram-stream.sse"),
         sse_events(FIXTURES / "completion-ngram-stream-usage.sse"),
-        interval_s=0.0,
+        interval_s=interval_s,
     )
     port = free_port()
     loop_thread.run(asyncio.start_server(upstream.handle, "127.0.0.1", port))
@@ -240,6 +240,42 @@ def start_endless_upstream(loop_thread: LoopThread) -> tuple[dict[str, int], str
     port = free_port()
     loop_thread.run(asyncio.start_server(handle, "127.0.0.1", port))
     return state, f"http://127.0.0.1:{port}"
+
+
+def test_a_request_is_observed_in_the_bucket_it_was_routed_in(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    """The bucket counts the model's requests in flight on every pool, and so does the
+    observation: a code request sent to n-gram while a prose stream holds the off pool
+    is routed, and then counted, at concurrency 2, although it is alone on its pool."""
+    _, off_url = start_replay(loop_thread, interval_s=0.05)
+    ngram_replay, ngram_url = start_replay(loop_thread)
+    fleet = Fleet(
+        [Pool("off", "off", [off_url]), Pool("ngram", "ngram:4", [ngram_url])],
+        clock=FakeClock(),
+    )
+    table = StaticRoutingTable("off", {RouteKey("tiny-llama", "code", "2-3"): "ngram"})
+    gateway = run_gateway(Gateway(fleet, routing=table))
+
+    prose = {**STREAM_BODY, "prompt": "Once upon"}
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream(
+            "POST",
+            f"{gateway.base_url}/v1/completions",
+            json=prose,
+            headers={"X-Workload-Class": "prose"},
+        ) as held,
+    ):
+        assert held.status_code == 200
+        chunks = held.iter_bytes()
+        next(chunks)  # the prose stream is in flight on the off pool
+        stream_text(gateway.base_url, STREAM_BODY, **{"X-Workload-Class": "code"})
+        assert b"[DONE]" in b"".join(chunks)
+    assert ngram_replay.requests == 1  # routed by the (code, 2-3) route
+    by_class = {o.workload_class: o for o in gateway.wait_observations(2)}
+    assert (by_class["code"].pool, by_class["code"].concurrency) == ("ngram", 2)
+    assert (by_class["prose"].pool, by_class["prose"].concurrency) == ("off", 1)
 
 
 def test_client_disconnect_closes_the_upstream_request(
