@@ -200,6 +200,8 @@ def test_a_gateway_request_is_a_genai_span(
     )
     assert got["specpilot.arm"] == "ngram:4" and got["specpilot.pool"] == "ngram"
     assert got["specpilot.workload_class"] == "code" and got["specpilot.stream"] is True
+    # The span places the request where the observation does: the count that set its bucket.
+    assert (got["specpilot.concurrency"], got["specpilot.bucket"]) == (observation.concurrency, "1")
     assert got["http.response.status_code"] == 200 and got["server.port"] == int(url[-5:])
     assert served.status.code != served.status.STATUS_CODE_ERROR
 
