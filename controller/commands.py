@@ -27,6 +27,18 @@ def register(subparsers: Any) -> None:
 
     serve = subparsers.add_parser("serve", help="run the control loop and the REST API")
     serve.add_argument("--config", type=Path, required=True, help="settings YAML file")
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text (default) or one JSON object each (controller/actions.py)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="debug adds one line per scrape and HTTP call",
+    )
     serve.set_defaults(func=serve_command)
 
 
@@ -85,5 +97,5 @@ def serve_command(args: argparse.Namespace) -> int:
     settings = _load_or_report(args.config)
     if settings is None:
         return 2
-    code: int = serve(settings)
+    code: int = serve(settings, log_format=args.log_format, log_level=args.log_level)
     return code

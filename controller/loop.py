@@ -42,6 +42,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from collectors.observations import RequestObservation, WindowObservation
+from controller import actions
+from controller.actions import Action
 from controller.actuators.base import Actuator, wrapped
 from controller.actuators.rolling import RollingRestarts
 from controller.alerting import DRIFT, LOSING, Alerts, losing_context
@@ -263,8 +265,25 @@ class ControlLoop:
         """Store a decision or alert before acting on it; if the store is away, also
         journal it on local disk so that not even a crash during the outage loses it."""
         if isinstance(record, DecisionRecord):
+            actions.record(
+                Action.DECISION,
+                f"{record.context}: {record.previous_arm} -> {record.arm}",
+                context=str(record.context),
+                arm=record.arm,
+                previous_arm=record.previous_arm,
+                actor=record.actor,
+                reason=record.reason,
+                predicted_speedup=record.predicted_speedup,
+            )
             await self._write(Store.record_decision, record)
         else:
+            actions.record(
+                Action.ALERT_RAISED,
+                f"{record.name}: {record.message}",
+                alert=record.name,
+                severity=record.severity,
+                context=record.context,
+            )
             await self._write(Store.record_alert, record)
             self.metrics.alerts.labels(alert=record.name).inc()
             self.notifier.notify(record)  # returns at once; delivered in the background
@@ -515,6 +534,7 @@ class ControlLoop:
     async def _resolve(self, name: str, severity: str, context: str) -> None:
         """An alert that stopped firing: resolved in the store, and to whoever hears."""
         now = self.clock()
+        actions.record(Action.ALERT_RESOLVED, f"{name} resolved", alert=name, context=context)
         await self._write(Store.resolve_alerts, name, context, now)
         self.notifier.notify(
             AlertRecord(now, name, severity, "resolved", context=context, resolved_at=now)
@@ -852,8 +872,27 @@ class ControlLoop:
         try:
             await actuator.apply(configs)
             self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_OK).inc()
+            for config in configs:
+                actions.record(
+                    Action.PUSH,
+                    f"{config.pool}: {_config_text(config.config)} handed to {actuator.name}",
+                    pool=config.pool,
+                    actuator=actuator.name,
+                    config=_config_text(config.config),
+                    outcome=PUSH_OK,
+                )
         except Exception as exc:
-            log.exception("actuator %s failed", actuator.name)
+            log.debug("actuator %s failed", actuator.name, exc_info=True)
+            for config in configs:
+                actions.record(
+                    Action.ROLLBACK,
+                    f"{config.pool}: {actuator.name} could not apply "
+                    f"{_config_text(config.config)}; the old config serves",
+                    pool=config.pool,
+                    actuator=actuator.name,
+                    config=_config_text(config.config),
+                    error=" ".join(str(exc).split())[:500] or type(exc).__name__,
+                )
             self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_ERROR).inc()
             self._push_all = True  # hand everything over again next time
             span = trace.get_current_span()  # the actuator's span when tracing, else a no-op
@@ -944,10 +983,12 @@ def _remove(gauge: Any, *labels: str) -> None:
         gauge.remove(*labels)
 
 
+def _config_text(config: Mapping[str, Any] | None) -> str:
+    return "off" if config is None else json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
 def _push_attributes(configs: Sequence[PoolConfig]) -> dict[str, str | Sequence[str]]:
     return {
         "specpilot.pools": [c.pool for c in configs],
-        "specpilot.configs": [
-            json.dumps(c.config, sort_keys=True, separators=(",", ":")) for c in configs
-        ],
+        "specpilot.configs": [_config_text(c.config) for c in configs],
     }

@@ -27,6 +27,8 @@ import sys
 
 import uvicorn
 
+from controller import actions
+from controller.actions import LogFormat
 from controller.api import create_waiting_app
 from controller.frontdoor import FrontDoor
 from controller.runtime import ApiServer, Runtime, assemble
@@ -39,11 +41,9 @@ STORE_RETRY_S = 5.0
 """With the gateway serving, how often an unreachable store is tried again at start."""
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, *, log_format: LogFormat = "text", log_level: str = "info") -> int:
     """Run until a signal stops it; see the module docstring for the exit codes."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    actions.configure(log_format, getattr(logging, log_level.upper()))
     return asyncio.run(_serve(settings))
 
 
