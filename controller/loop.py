@@ -236,6 +236,8 @@ class ControlLoop:
             fleet, confirm_within_s=settings.actuators.confirm_within_s, clock=clock
         )
         """Push mode: what each pool runs as vLLM shows it, and whether pushes took."""
+        self._overrides_logged: dict[str, OverrideRecord] = {}
+        """The overrides whose coming into force the log has (see ``_log_overrides``)."""
         self._not_applied: set[str] = set()
         """Pools whose ``SpecpilotPushNotApplied`` fires."""
 
@@ -493,6 +495,7 @@ class ControlLoop:
 
         self.overrides = await self._read(lambda: self.store.active_overrides(now), self.overrides)
         self.overrides = [o for o in self.overrides if o.active(now)]
+        self._log_overrides(now)
         self.metrics.overrides_active.set(len(self.overrides))
         pins = await self._pins(self.overrides, now)
         self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
@@ -656,6 +659,33 @@ class ControlLoop:
             await self._write(Store.add_observations, records, records=len(records), droppable=True)
         if windows:
             await self._write(Store.add_window_stats, windows, records=len(windows), droppable=True)
+
+    def _log_overrides(self, now: float) -> None:
+        """An action line for each override that came into force or ended since the
+        last iteration (set or deleted through any replica's API, or expired)."""
+        before = self._overrides_logged
+        current = self._overrides_logged = {o.id: o for o in self.overrides}
+        for override in current.values():
+            if override.id not in before:
+                actions.record(
+                    Action.OVERRIDE_SET,
+                    f"override {override.id} in force: {override.reason}",
+                    override=override.id,
+                    scope="/".join(
+                        (override.scope.model, override.scope.workload_class, override.scope.bucket)
+                    ),
+                    config=_config_text(override.config),
+                    expires_in_s=round(override.expires_at - now),
+                )
+        for override in before.values():
+            if override.id not in current:
+                why = "expired" if override.expires_at <= now else "deleted"
+                actions.record(
+                    Action.OVERRIDE_ENDED,
+                    f"override {override.id} {why}: {override.reason}",
+                    override=override.id,
+                    ended=why,
+                )
 
     async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[Context, Pin]:
         """Which contexts operators pinned: the most specific override wins, then the newest."""

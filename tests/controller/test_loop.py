@@ -174,7 +174,10 @@ def test_chat_decisions_do_not_touch_a_pool_whose_primary_class_is_code(harness:
     assert len(harness.actuator.calls) == 1  # only the first, full push
 
 
-def test_override_pins_then_hands_back_when_it_expires(harness: Harness) -> None:
+def test_override_pins_then_hands_back_when_it_expires(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specpilot.actions")
     harness.store.add_override(
         OverrideRecord(
             "o1",
@@ -198,6 +201,11 @@ def test_override_pins_then_hands_back_when_it_expires(harness: Harness) -> None
     assert back[CODE_LOW].arm == "tiny:2" and back[CODE_LOW].actor == "policy"
     assert back[CODE_LOW].reason.startswith("operator override ended")
     assert harness.policy.pins == {}
+    logged = [r.getMessage() for r in caplog.records if r.name == "specpilot.actions"]
+    assert [line.split(" [")[0] for line in logged if line.startswith("override_")] == [
+        "override_set: override o1 in force: incident 42",
+        "override_ended: override o1 expired: incident 42",
+    ]
 
 
 def test_most_specific_override_wins(harness: Harness) -> None:
