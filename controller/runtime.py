@@ -31,6 +31,7 @@ from controller.api import create_app
 from controller.builtin import policy_from, source_from
 from controller.fleet import Fleet
 from controller.frontdoor import GATEWAY_GRACE_S, FrontDoor
+from controller.instances import InstanceHealth
 from controller.ports import ControlPolicy
 from controller.service import Service, build_service
 from controller.settings import Settings
@@ -210,6 +211,11 @@ def assemble(
             tracing.shutdown()
         raise
     service.loop.tracer = tracer
+    # Probed wherever the loop collects: at start (retried while nothing answers) and
+    # every iteration after, whatever ``collect`` reads.
+    service.instances = service.loop.instances = InstanceHealth(
+        settings, placements, service.metrics, clock=clock
+    )
     if front is not None and front.spec.routing == "table":
         service.loop.routes_to = front.publish
     return Runtime(service, front, placements, tracing)

@@ -305,6 +305,10 @@ class AlertingSettings(_Strict):
     resolve_after_s: PositiveSeconds = 900.0
     """An alert specpilot has not raised again for this long is sent as resolved (its
     conditions, such as a failed push, are raised again each iteration they hold)."""
+    instance_down_after_s: PositiveSeconds | None = None
+    """``SpecpilotInstanceDown`` fires once a pool instance has failed every probe (or
+    served another model) for this long (``controller.instances``); None: three loop
+    intervals."""
     attempts: int = Field(default=3, ge=1)
     """Tries per delivery, the first included (back-off with jitter in between)."""
     timeout_s: PositiveSeconds = 5.0
