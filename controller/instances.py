@@ -120,10 +120,12 @@ def instance_context(pool: str, instance: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class InstanceAlerts:
-    """What a probe round changed: alerts to raise, contexts whose alert resolved."""
+    """What a probe round found: alerts to raise, contexts whose alert resolved, and the
+    alerts that fire on (for the notifier, which resolves what is not raised again)."""
 
     raised: list[AlertRecord] = field(default_factory=list)
     resolved: list[str] = field(default_factory=list)
+    firing: list[AlertRecord] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -249,10 +251,13 @@ class InstanceHealth:
                 served=",".join(verdict.served) or None,
             )
         down_s = now - state.down_since
-        if not state.firing and down_s >= self.down_after_s:
+        message = f"pool {pool}: {shown} {verdict.detail} (down for {down_s:.0f} s)"
+        alert = AlertRecord(now, INSTANCE_DOWN, SEVERITY, message, state.context)
+        if state.firing:
+            changes.firing.append(alert)
+        elif down_s >= self.down_after_s:
             state.firing = True
-            message = f"pool {pool}: {shown} {verdict.detail} (down for {down_s:.0f} s)"
-            changes.raised.append(AlertRecord(now, INSTANCE_DOWN, SEVERITY, message, state.context))
+            changes.raised.append(alert)
 
     def _owns(self, context: str) -> bool:
         if self._replica is None:

@@ -568,6 +568,8 @@ class ControlLoop:
             await self._record(alert)
         for context in changed.resolved:
             await self._resolve(INSTANCE_DOWN, INSTANCE_DOWN_SEVERITY, context)
+        for alert in changed.firing:  # still down: Alertmanager's copy must not lapse
+            self.notifier.notify(alert)
         return self.instances.screen(collected)
 
     async def _restore_instances(self) -> None:

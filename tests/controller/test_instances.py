@@ -11,6 +11,7 @@ are real. ``tests/e2e/test_instances_vllm.py`` runs the same against a real vLLM
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from controller.instances import (
     instance_context,
     served_models,
 )
-from controller.notify import alert_labels
+from controller.notify import Notifier, alert_labels
 from controller.ports import Collected
 from controller.service import Service, build_service
 from controller.settings import Settings
@@ -233,10 +234,13 @@ def test_the_alert_fires_after_the_bound_once_and_resolves_when_it_answers(
     assert alert.message.startswith(f"pool a: {A2_SHOWN} unreachable: ")
     assert alert.message.endswith("(down for 30 s)")
     assert "s3cret" not in alert.message
-    assert h.probe().raised == [] and h.probe().resolved == []  # fires on, not again
+    on = h.probe()
+    assert (on.raised, on.resolved) == ([], [])  # fires on, not raised again
+    [still] = on.firing  # for the notifier, which lets an alert not raised again lapse
+    assert (still.context, still.ts) == (alert.context, h.clock.now)
     h.fleet.set(A2, ["m"])
     changed = h.probe()
-    assert (changed.raised, changed.resolved) == ([], [alert.context])
+    assert (changed.raised, changed.resolved, changed.firing) == ([], [alert.context], [])
     assert h.probe().resolved == []
 
 
@@ -398,10 +402,10 @@ def test_a_managed_pool_is_checked_against_its_served_model(tmp_path: Path) -> N
 class Served:
     """A service as ``assemble`` wires it (probing its instances), on a test clock."""
 
-    def __init__(self, tmp_path: Path, *, pod: bool = False) -> None:
+    def __init__(self, tmp_path: Path, *, pod: bool = False, **alerting: Any) -> None:
         self.clock = Clock()
         self.fleet = Instances()
-        settings = settings_for(tmp_path, instance_down_after_s=15.0)
+        settings = settings_for(tmp_path, instance_down_after_s=15.0, **alerting)
         self.service: Service = build_service(
             settings,
             ScriptedPolicy(settings.buckets),
@@ -569,3 +573,37 @@ def test_a_follower_beside_the_leader_leaves_probing_to_it(tmp_path: Path) -> No
     assert fleet.asked == []
     assert response.status_code == 200
     assert response.json()["checks"]["instances"] == "not probed here: the leader probes the fleet"
+
+
+def test_alertmanager_keeps_hearing_of_an_instance_still_down(tmp_path: Path) -> None:
+    """The notifier resolves an alert not raised again for ``resolve_after_s``: each
+    iteration an instance stays down, the loop hands its alert over again."""
+    served = Served(tmp_path, webhook_url="http://hooks.test/alerts", resolve_after_s=30.0)
+    posted: list[Any] = []
+
+    def hook(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content)["status"])
+        return httpx.Response(200)
+
+    served.loop.notifier = Notifier(  # the loop's, on the test's clock and a recording hook
+        served.service.settings.alerting,
+        clock=served.clock,
+        transport=httpx.MockTransport(hook),
+    )
+    try:
+        served.fleet.set(A1, ["m"])
+        served.fleet.set(A2, ["m"])
+        for _ in range(3):
+            served.tick()
+        [heard] = served.loop.notifier.firing.values()
+        assert heard.labels["url"] == B1 and heard.last_seen == served.clock.now
+        for _ in range(6):  # 60 s, twice resolve_after_s
+            served.tick()
+        [heard] = served.loop.notifier.firing.values()
+        assert heard.last_seen == served.clock.now
+        served.fleet.set(B1, ["m"])
+        served.tick()
+        assert served.loop.notifier.firing == {}
+    finally:
+        served.close()
+    assert posted == ["firing", "resolved"]
