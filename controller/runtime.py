@@ -7,7 +7,8 @@ lives here only: the gateway exists before the actuators (a managed pool's traff
 follows its new instance through it), the sources before the loop, and the loop's
 table of each context's arm is handed to the sources once the loop exists (the config a
 pool was told to run is what its windows are attributed to); the loop publishes the
-routing table the gateway's workers route by.
+routing table the gateway's workers route by, and probes the instances the placements
+list (``controller.instances``).
 """
 
 from __future__ import annotations
