@@ -266,7 +266,8 @@ class InstanceHealth:
 
     def screen(self, collected: Collected) -> Collected:
         """A wrong-model instance's windows: stored unhealthy with the reason, and no
-        evidence for its pool (its figures are another model's)."""
+        evidence for its pool (its figures are another model's), neither to learn from
+        nor to confirm a push by."""
         wrong = {
             key: state.verdict.detail
             for key, state in self._states.items()
@@ -285,7 +286,8 @@ class InstanceHealth:
             for w in collected.window_observations
             if (w.pool or "", w.instance or "") not in wrong
         )
-        return replace(collected, windows=windows, window_observations=evidence)
+        shapes = tuple(i for i in collected.instances if (i.pool, i.instance) not in wrong)
+        return replace(collected, windows=windows, window_observations=evidence, instances=shapes)
 
     def pools_down(self) -> dict[str, str]:
         """Pools with instances none of which is up → why, one line (``/readyz``)."""

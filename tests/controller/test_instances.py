@@ -34,7 +34,7 @@ from controller.instances import (
     served_models,
 )
 from controller.notify import Notifier, alert_labels
-from controller.ports import Collected
+from controller.ports import Collected, InstanceSeen
 from controller.service import Service, build_service
 from controller.settings import Settings
 from controller.sources import Placement
@@ -367,10 +367,18 @@ def test_a_wrong_model_instance_is_down_and_its_windows_teach_nothing(
             "ngram:4",
         )
 
+    def shape(url: str) -> InstanceSeen:
+        return InstanceSeen("a", url, positions=4, restarted=False, at=1.0)
+
     screened = h.health.screen(
-        Collected(windows=[stat(A1), stat(A2)], window_observations=[evidence(A1), evidence(A2)])
+        Collected(
+            windows=[stat(A1), stat(A2)],
+            window_observations=[evidence(A1), evidence(A2)],
+            instances=[shape(A1), shape(A2)],
+        )
     )
     assert [w.instance for w in screened.window_observations] == [A1]
+    assert screened.instances == (shape(A1),)  # confirms no push either
     right, wrong = screened.windows
     assert right == stat(A1)
     assert (wrong.healthy, wrong.status) == (False, "serves llama-3, not m")
