@@ -139,6 +139,11 @@ def test_dead_and_wrong_model_instances_beside_a_real_vllm(
         nonlocal proxy
         transport = httpx.ASGITransport(app=create_app(settings, service))
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+
+            async def instance_alerts() -> list[Any]:
+                alerts = (await api.get("/v1/alerts")).json()["alerts"]
+                return [a for a in alerts if a["name"] == INSTANCE_DOWN]
+
             await loop.start()
             await loop.tick()
             assert (up("code", server.base_url), up("chat", dead)) == (1, 0)
@@ -157,14 +162,14 @@ def test_dead_and_wrong_model_instances_beside_a_real_vllm(
             assert "pool code" not in body["checks"]["instances"]
             # Down for the bound, then raised: once each, stored and counted.
             started = time.monotonic()
-            while len((await api.get("/v1/alerts")).json()["alerts"]) < 2:
+            while len(await instance_alerts()) < 2:
                 assert time.monotonic() - started < 30 * DOWN_AFTER_S, "no alert raised"
                 await asyncio.sleep(1.0)
                 await loop.tick()
             for _ in range(2):  # firing on: not raised again
                 await asyncio.sleep(1.0)
                 await loop.tick()
-            alerts = (await api.get("/v1/alerts")).json()["alerts"]
+            alerts = await instance_alerts()
             assert sorted((a["name"], a["context"], a["resolved_at"]) for a in alerts) == [
                 (INSTANCE_DOWN, f"pool=chat,url={dead}", None),
                 (INSTANCE_DOWN, f"pool=rag,url={server.base_url}", None),
@@ -174,7 +179,7 @@ def test_dead_and_wrong_model_instances_beside_a_real_vllm(
             proxy = Proxy(port, server.base_url)
             await loop.tick()
             assert up("chat", dead) == 1
-            alerts = (await api.get("/v1/alerts")).json()["alerts"]
+            alerts = await instance_alerts()
             resolved = {a["context"]: a["resolved_at"] for a in alerts}
             assert resolved[f"pool=chat,url={dead}"] is not None, alerts
             assert resolved[f"pool=rag,url={server.base_url}"] is None, alerts
