@@ -167,6 +167,8 @@ class InstanceHealth:
         self._states: dict[tuple[str, str], _Instance] = {}
         self._restored: set[str] = set()
         """Contexts of alerts that fired when the service last stopped."""
+        self._placed: set[str] = set()
+        """Pools with an instance at the last probe."""
         self.probed = False
 
     def restore(self, unresolved: Iterable[AlertRecord]) -> None:
@@ -193,6 +195,7 @@ class InstanceHealth:
         )
         now = self._clock()
         changes = InstanceAlerts()
+        self._placed = {pool for pool, _ in placements}
         for key, verdict in zip(placements, verdicts, strict=True):
             self._judge(key, verdict, now, changes)
         for key in [k for k in self._states if k not in placements]:
@@ -290,15 +293,22 @@ class InstanceHealth:
         return replace(collected, windows=windows, window_observations=evidence, instances=shapes)
 
     def pools_down(self) -> dict[str, str]:
-        """Pools with instances none of which is up → why, one line (``/readyz``)."""
+        """Pools none of whose instances is up → why, one line (``/readyz``). A pool
+        with no instance at all (a managed pool not started, or whose start failed)
+        counts, but in the per-pod topology, where the other pools run in other pods and
+        the pod's own vLLM between starts is ``checks.vllm``'s."""
         by_pool: dict[str, list[_Instance]] = {}
         for state in self._states.values():
             by_pool.setdefault(state.pool, []).append(state)
-        return {
+        down = {
             pool: "; ".join(f"{redact_url(s.instance)} {s.verdict.detail}" for s in states)
-            for pool, states in sorted(by_pool.items())
+            for pool, states in by_pool.items()
             if not any(s.verdict.up for s in states)
         }
+        if self.probed and self._replica is None:
+            for pool in set(self.settings.fleet.pools) - self._placed:
+                down[pool] = "no instance running"
+        return dict(sorted(down.items()))
 
     async def aclose(self) -> None:
         if self._owns_client:

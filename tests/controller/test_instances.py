@@ -301,19 +301,40 @@ def test_alerts_firing_before_a_restart_fire_on_and_resolve(tmp_path: Path) -> N
 
 
 def test_a_pod_resolves_only_its_own_restored_alerts(tmp_path: Path) -> None:
-    h = Health(tmp_path, placements=[])
-    h.health._replica = "pod-a"
-    h.health.restore(
-        [
-            AlertRecord(
-                1.0, INSTANCE_DOWN, "warning", "x", "pool=a,url=http://127.0.0.1:8000#pod-a"
-            ),
-            AlertRecord(
-                1.0, INSTANCE_DOWN, "warning", "x", "pool=a,url=http://127.0.0.1:8000#pod-b"
-            ),
-        ]
+    settings = Settings.model_validate(
+        {
+            "data_dir": tmp_path,
+            "classes": ["code"],
+            "collect": "scrape",
+            "actuators": {
+                "file": False,
+                "managed": {
+                    "mode": "in_place",
+                    "pod": {"replica": "pod-a"},
+                    "pools": {"a": {"command": ["vllm", "serve", "/m"], "port": 8000}},
+                },
+            },
+            "fleet": {"pools": {"a": {"model": "m"}}},
+        }
     )
-    assert h.probe().resolved == ["pool=a,url=http://127.0.0.1:8000#pod-a"]
+    health = InstanceHealth(settings, lambda: [], ServiceMetrics(CollectorRegistry()))
+    mine, theirs = (
+        "pool=a,url=http://127.0.0.1:8000#pod-a",
+        "pool=a,url=http://127.0.0.1:8000#pod-b",
+    )
+    health.restore([AlertRecord(1.0, INSTANCE_DOWN, "warning", "x", c) for c in (mine, theirs)])
+    # This pod's vLLM is not running (yet): its own alert resolves, the other pod's stays.
+    assert asyncio.run(health.probe()).resolved == [mine]
+    assert health.pools_down() == {}  # between starts, /readyz's checks.vllm says so
+
+
+def test_a_pool_with_no_instance_at_all_has_no_healthy_one(tmp_path: Path) -> None:
+    h = Health(tmp_path)
+    h.fleet.set(A1, ["m"])
+    h.placements = [p for p in h.placements if p.pool == "a"]  # b's managed start failed
+    assert h.health.pools_down() == {}  # not probed yet: nothing known
+    h.probe()
+    assert h.health.pools_down() == {"b": "no instance running"}
 
 
 def test_alertmanager_tells_two_instances_of_a_pool_apart() -> None:
