@@ -505,14 +505,18 @@ class ControlLoop:
     async def _raise_drift(self) -> None:
         """Every drift the policy detected becomes an ``AcceptanceDrift`` alert; one whose
         acceptance recovered is resolved."""
+        raised = []
         for event in self.policy.drift():
             alert = self.alerts.drifted(event)
             if alert is not None:
                 log.warning("%s: %s", alert.name, alert.message)
                 await self._record(alert)
-        for context in self.alerts.recovered():
-            log.info("AcceptanceDrift resolved: %s", context)
-            await self._resolve(DRIFT, "warning", context)
+                raised.append(alert)
+        for context, message in self.alerts.recovered():
+            await self._resolve(DRIFT, "warning", context, message)
+        for alert in self.alerts.firing_drifts():
+            if alert not in raised:  # still holds: so the notifier does not let it expire
+                self.notifier.notify(alert)
 
     async def _judge_losing(self, now: float) -> None:
         """``SpeculationLosing`` for contexts whose running arm the policy predicts to
@@ -531,13 +535,16 @@ class ControlLoop:
             if resolved:
                 await self._resolve(LOSING, "critical", losing_context(context))
 
-    async def _resolve(self, name: str, severity: str, context: str) -> None:
+    async def _resolve(
+        self, name: str, severity: str, context: str | None, message: str = "resolved"
+    ) -> None:
         """An alert that stopped firing: resolved in the store, and to whoever hears."""
         now = self.clock()
-        actions.record(Action.ALERT_RESOLVED, f"{name} resolved", alert=name, context=context)
+        text = f"{name} resolved" if message == "resolved" else f"{name} resolved: {message}"
+        actions.record(Action.ALERT_RESOLVED, text, alert=name, context=context)
         await self._write(Store.resolve_alerts, name, context, now)
         self.notifier.notify(
-            AlertRecord(now, name, severity, "resolved", context=context, resolved_at=now)
+            AlertRecord(now, name, severity, message, context=context, resolved_at=now)
         )
 
     async def _check_store_lost(self, now: float) -> None:
@@ -681,9 +688,10 @@ class ControlLoop:
 
     def _publish_contexts(self) -> None:
         """``specpilot_context_*``: each context's arm (what the gateway routes it to in
-        routing mode), the share of its requests served elsewhere, and the acceptance and
-        speed-up the policy estimates for its arm now (no series while it has none: an
-        incumbent without evidence, or another arm's figure, would be a false one)."""
+        routing mode), the share of its requests served elsewhere, vLLM's acceptance of
+        its arm (``controller.acceptance``) and the speed-up the policy estimates for it
+        now (no series while there is none: an incumbent without evidence, or another
+        arm's figure, would be a false one)."""
         metrics = self.metrics
         for context in self.fleet.contexts:
             arm = self.arms.get(context)
@@ -702,13 +710,11 @@ class ControlLoop:
                 metrics.explored.labels(*labels).set(explored)
             else:
                 _remove(metrics.explored, *labels)
-            acceptance = next(
-                (e.acceptance for e in self.policy.estimates(context) if e.arm == arm), None
-            )
-            if acceptance is not None:
-                metrics.estimated_acceptance.labels(*labels).set(acceptance)
+            measured = self.alerts.book.of_arm(context.model, context.workload_class, arm)
+            if measured.acceptance is not None:
+                metrics.context_acceptance.labels(*labels).set(measured.acceptance.ratio)
             else:
-                _remove(metrics.estimated_acceptance, *labels)
+                _remove(metrics.context_acceptance, *labels)
             seen_arm, speedup = self._running_speedup.get(context, (arm, None))
             if seen_arm == arm and speedup is not None:
                 metrics.predicted_speedup.labels(*labels).set(speedup)
