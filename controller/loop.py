@@ -203,7 +203,9 @@ class ControlLoop:
         # Bookkeeping of the leader.
         self._tpot: dict[tuple[Context, str], _Mean] = {}
         self._pending: dict[Context, _Pending] = {}
-        self._bad_overrides: set[str] = set()
+        self._bad_overrides: dict[str, str | None] = {}
+        """Overrides ``OverrideNotRunnable`` fires for → its context (the override's scope;
+        None for one restored from a store written before alerts had one)."""
         self._snapshot_ts = -math.inf
         self._loaded_snapshot_ts = -math.inf
         self._housekeeping_at = -math.inf
@@ -337,6 +339,10 @@ class ControlLoop:
             lambda: self.store.alerts(limit=1000, unresolved_only=True)
         )
         self.alerts.restore(unresolved)
+        for alert in unresolved:
+            if alert.name == OVERRIDE_NOT_RUNNABLE:
+                # Resolved at the first pass over the overrides unless it still holds.
+                self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
         self.metrics.frozen.set(1 if self.frozen else 0)
         self._publish_routes()
 
@@ -644,25 +650,43 @@ class ControlLoop:
     async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[Context, Pin]:
         """Which contexts operators pinned: the most specific override wins, then the newest."""
         pins: dict[Context, Pin] = {}
+        bad: set[str] = set()
         for override in sorted(overrides, key=lambda o: (o.scope.specificity, o.created_at)):
             contexts = [c for c in self.fleet.contexts if override.scope.matches(c)]
             try:
                 arm = self.fleet.resolve_override(override.config, contexts)
             except SpecConfigError as exc:
                 # Valid when made, but the fleet settings changed since: say so once.
+                bad.add(override.id)
+                scope = override.scope
+                where = f"{scope.model}/{scope.workload_class}/{scope.bucket}"
                 if override.id not in self._bad_overrides:
-                    self._bad_overrides.add(override.id)
+                    self._bad_overrides[override.id] = where
                     alert = AlertRecord(
                         now,
                         OVERRIDE_NOT_RUNNABLE,
                         "warning",
                         f"override {override.id} ({override.reason}) is ignored: {exc}",
+                        context=where,
                     )
                     await self._record(alert)
                 continue
             for context in contexts:
                 pins[context] = Pin(arm, override)
+        await self._resolve_runnable(bad)
         return pins
+
+    async def _resolve_runnable(self, bad: set[str]) -> None:
+        """``OverrideNotRunnable`` resolves once its override is no longer in force
+        (expired or deleted) or runs again; an alert shared by overrides of the same
+        scope, once none of them is left."""
+        cleared = {i: c for i, c in self._bad_overrides.items() if i not in bad}
+        for override_id in cleared:
+            del self._bad_overrides[override_id]
+        for context in set(cleared.values()):
+            if context not in self._bad_overrides.values():
+                message = "its override expired, was deleted or runs again"
+                await self._resolve(OVERRIDE_NOT_RUNNABLE, "warning", context, message)
 
     def _tally_routes(self, observations: Sequence[RequestObservation]) -> None:
         """Count where each context's requests went (routing mode): on its arm, or on
