@@ -52,8 +52,9 @@ from controller.exactness import EXACTNESS_BROKEN, ExactnessChecker, exactness_f
 from controller.fleet import Fleet, PoolConfig
 from controller.notify import notifier_from
 from controller.ports import ArmChoice, ControlPolicy, ObservationSource, Route, Routed
+from controller.running import Push, PushState, RunningConfigs
 from controller.settings import Settings
-from controller.specconfig import SpecConfigError
+from controller.specconfig import OFF, SpecConfigError
 from controller.store.buffer import BufferedWriter
 from controller.store.db import ROLLUP_BATCH, Store, is_unavailable
 from controller.store.journal import Journal
@@ -85,7 +86,16 @@ MIN_MEASURED_REQUESTS = 3
 ACTUATOR_FAILED = "ActuatorFailed"
 OVERRIDE_NOT_RUNNABLE = "OverrideNotRunnable"
 STORE_LOST = "StoreLost"
-ALERT_NAMES = (DRIFT, LOSING, ACTUATOR_FAILED, EXACTNESS_BROKEN, OVERRIDE_NOT_RUNNABLE, STORE_LOST)
+PUSH_NOT_APPLIED = "SpecpilotPushNotApplied"
+ALERT_NAMES = (
+    DRIFT,
+    LOSING,
+    ACTUATOR_FAILED,
+    EXACTNESS_BROKEN,
+    OVERRIDE_NOT_RUNNABLE,
+    STORE_LOST,
+    PUSH_NOT_APPLIED,
+)
 """Every alert the loop raises."""
 NOT_RUNNABLE = "not_runnable"
 MIN_DWELL = "min_dwell"
@@ -224,6 +234,14 @@ class ControlLoop:
         self.routes_to: Callable[[Mapping[Context, Route]], None] | None = None
         """Routing mode: where each iteration's routing table goes (the gateway's
         workers, which route by the last one they got whatever the loop does next)."""
+        self.running = RunningConfigs(
+            fleet, confirm_within_s=settings.actuators.confirm_within_s, clock=clock
+        )
+        """Push mode: what each pool runs as vLLM shows it, and whether pushes took."""
+        self._overrides_logged: dict[str, OverrideRecord] = {}
+        """The overrides whose coming into force the log has (see ``_log_overrides``)."""
+        self._not_applied: set[str] = set()
+        """Pools whose ``SpecpilotPushNotApplied`` fires."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -343,6 +361,12 @@ class ControlLoop:
             if alert.name == OVERRIDE_NOT_RUNNABLE:
                 # Resolved at the first pass over the overrides unless it still holds.
                 self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
+        # Resolved by the first push the evidence confirms (every pool is pushed again).
+        self._not_applied = {
+            a.context.removeprefix("pool=")
+            for a in unresolved
+            if a.name == PUSH_NOT_APPLIED and a.context is not None
+        }
         self.metrics.frozen.set(1 if self.frozen else 0)
         self._publish_routes()
 
@@ -447,6 +471,9 @@ class ControlLoop:
         await self._flush()
 
         collected = await self.source.collect()
+        for seen in collected.instances:
+            self.running.see(seen)
+        await self._settle_pushes()
         self._count_routed(collected.routed)
         handed, handed_windows = await self._handed_over()
         observations = [*collected.observations, *handed]
@@ -474,6 +501,7 @@ class ControlLoop:
 
         self.overrides = await self._read(lambda: self.store.active_overrides(now), self.overrides)
         self.overrides = [o for o in self.overrides if o.active(now)]
+        self._log_overrides(now)
         self.metrics.overrides_active.set(len(self.overrides))
         pins = await self._pins(self.overrides, now)
         self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
@@ -528,9 +556,7 @@ class ControlLoop:
         """``SpeculationLosing`` for contexts whose running arm the policy predicts to
         lose against no speculation (see ``controller.alerting``)."""
         for context in self.fleet.contexts:
-            arm = self.arms.get(context)
-            if arm is None:
-                continue
+            arm = self.running_arm(context)
             seen_arm, speedup = self._running_speedup.get(context, (arm, None))
             alert, resolved = self.alerts.judge(
                 context, arm, speedup if seen_arm == arm else None, now
@@ -647,6 +673,33 @@ class ControlLoop:
         if windows:
             await self._write(Store.add_window_stats, windows, records=len(windows), droppable=True)
 
+    def _log_overrides(self, now: float) -> None:
+        """An action line for each override that came into force or ended since the
+        last iteration (set or deleted through any replica's API, or expired)."""
+        before = self._overrides_logged
+        current = self._overrides_logged = {o.id: o for o in self.overrides}
+        for override in current.values():
+            if override.id not in before:
+                actions.record(
+                    Action.OVERRIDE_SET,
+                    f"override {override.id} in force: {override.reason}",
+                    override=override.id,
+                    scope="/".join(
+                        (override.scope.model, override.scope.workload_class, override.scope.bucket)
+                    ),
+                    config=_config_text(override.config),
+                    expires_in_s=round(override.expires_at - now),
+                )
+        for override in before.values():
+            if override.id not in current:
+                why = "expired" if override.expires_at <= now else "deleted"
+                actions.record(
+                    Action.OVERRIDE_ENDED,
+                    f"override {override.id} {why}: {override.reason}",
+                    override=override.id,
+                    ended=why,
+                )
+
     async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[Context, Pin]:
         """Which contexts operators pinned: the most specific override wins, then the newest."""
         pins: dict[Context, Pin] = {}
@@ -718,9 +771,7 @@ class ControlLoop:
         arm's figure, would be a false one)."""
         metrics = self.metrics
         for context in self.fleet.contexts:
-            arm = self.arms.get(context)
-            if arm is None:
-                continue
+            arm = self.running_arm(context)
             labels = (context.model, context.workload_class, context.bucket)
             shown = self._published.get(context)
             if shown != arm:
@@ -775,7 +826,7 @@ class ControlLoop:
             return self._routed_target(context, pin)
         if pin is not None:
             return Target(pin.arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
-        current = self.arms.get(context, self.fleet.running_arm(context))
+        current = self.running_arm(context)
         released = self.actors.get(context) == "operator"  # it was pinned; the pin is gone
         if self.frozen:
             if released:
@@ -789,10 +840,8 @@ class ControlLoop:
         choice = self.policy.decide(context, allowed, current)
         if released and not self._has_evidence(context, choice):
             choice = ArmChoice(current, "no evidence yet: the config its pool runs")
-        if choice.arm == current:
-            self._running_speedup[context] = (current, choice.predicted_speedup)
-        else:
-            self._running_speedup.pop(context, None)
+        running = self.running_arm(context)
+        self._running_speedup[context] = (running, self._predicted(context, running, choice))
         if choice.arm not in allowed:
             self.metrics.guard_rail_rejections.labels(rule=NOT_RUNNABLE).inc()
             log.warning("%s: policy chose %s, which its pools cannot run", context, choice.arm)
@@ -806,6 +855,27 @@ class ControlLoop:
             reason = f"operator override ended; {reason}"
             self.actors[context] = "policy"
         return Target(choice.arm, reason, "policy", choice.predicted_speedup)
+
+    def running_arm(self, context: Context) -> str:
+        """The arm a context runs: in routing mode the arm the gateway sends it to; in
+        push mode the arm its pool runs as vLLM's metrics show it (``self.running``),
+        whatever was decided and pushed."""
+        if self.fleet.routing:
+            return self.arms.get(context, self.fleet.running_arm(context))
+        names = self.fleet.pools_for(context.model, context.workload_class)
+        return self.running.arm(names[0], context.bucket) if names else OFF
+
+    def _predicted(self, context: Context, arm: str, choice: ArmChoice) -> float | None:
+        """The policy's predicted speed-up over no speculation for ``arm`` in this
+        context: 1 for off by definition, else the choice's or the policy's estimate."""
+        if arm == OFF:
+            return 1.0
+        if choice.arm == arm:
+            return choice.predicted_speedup
+        return next(
+            (e.speedup for e in self.policy.estimates(context) if e.arm == arm and e.speedup),
+            None,
+        )
 
     def _has_evidence(self, context: Context, choice: ArmChoice) -> bool:
         """Whether the policy's choice rests on anything it saw: a prediction, or
@@ -888,17 +958,67 @@ class ControlLoop:
     async def _push_to_all(
         self, configs: Sequence[PoolConfig], actuators: Sequence[Actuator], tracer: Tracer | None
     ) -> None:
+        handed = False
         for actuator in actuators:
             if tracer is None:
-                await self._push_to(actuator, configs)
+                handed |= await self._push_to(actuator, configs)
                 continue
             with tracer.start_as_current_span(
                 f"specpilot.actuate {actuator.name}",
                 attributes={"specpilot.actuator": actuator.name},
             ):
-                await self._push_to(actuator, configs)
+                handed |= await self._push_to(actuator, configs)
+        if handed:
+            for config in configs:
+                await self._pushed(config)
 
-    async def _push_to(self, actuator: Actuator, configs: Sequence[PoolConfig]) -> None:
+    async def _pushed(self, config: PoolConfig) -> None:
+        """A config an actuator took: pending until vLLM's metrics show it running."""
+        push = self.running.pushed(config.pool, config.config, self.clock())
+        self.metrics.push_applied.labels(pool=config.pool).set(
+            1 if push.state is PushState.CONFIRMED else 0
+        )
+        if push.state is PushState.CONFIRMED:
+            await self._push_settled(config.pool, push)
+
+    async def _settle_pushes(self) -> None:
+        """Pushes the evidence now confirms, or that it did not confirm in time."""
+        for pool, push in self.running.settle():
+            await self._push_settled(pool, push)
+
+    async def _push_settled(self, pool: str, push: Push) -> None:
+        self.metrics.push_applied.labels(pool=pool).set(
+            1 if push.state is PushState.CONFIRMED else 0
+        )
+        context = f"pool={pool}"
+        if push.state is PushState.CONFIRMED:
+            actions.record(
+                Action.PUSH_CONFIRMED,
+                f"{pool}: vLLM reports {push.arm} running",
+                pool=pool,
+                arm=push.arm,
+            )
+            if pool in self._not_applied:
+                self._not_applied.discard(pool)
+                await self._resolve(PUSH_NOT_APPLIED, "warning", context)
+            return
+        running = self.running.view(pool).running
+        waited = (push.settled_at or self.clock()) - push.at
+        message = (
+            f"pool {pool}: pushed {push.arm}, running {running} (as vLLM's /metrics show it) "
+            f"{waited:.0f} s later; nothing applied the push"
+        )
+        actions.record(
+            Action.PUSH_NOT_APPLIED, message, pool=pool, pushed=push.arm, running=running
+        )
+        if pool not in self._not_applied:
+            self._not_applied.add(pool)
+            await self._record(
+                AlertRecord(self.clock(), PUSH_NOT_APPLIED, "warning", message, context=context)
+            )
+
+    async def _push_to(self, actuator: Actuator, configs: Sequence[PoolConfig]) -> bool:
+        """Hand ``configs`` to one actuator; whether it took them."""
         try:
             await actuator.apply(configs)
             self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_OK).inc()
@@ -911,6 +1031,7 @@ class ControlLoop:
                     config=_config_text(config.config),
                     outcome=PUSH_OK,
                 )
+            return True
         except Exception as exc:
             log.debug("actuator %s failed", actuator.name, exc_info=True)
             for config in configs:
@@ -934,6 +1055,7 @@ class ControlLoop:
             await self._record(
                 AlertRecord(now, ACTUATOR_FAILED, "critical", f"{actuator.name}: {exc}")
             )
+            return False
 
     async def check_exactness(self, now: float) -> None:
         """Every ``canary.interval_s``, the managed pools' greedy output against their

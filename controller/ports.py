@@ -125,6 +125,19 @@ class ControlPolicy(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class InstanceSeen:
+    """One scrape of one instance: the shape its page showed."""
+
+    pool: str
+    instance: str
+    positions: int
+    """Per-position series on the page; 0 when it has no spec-decode series (off)."""
+    restarted: bool
+    """Its counters went back since the previous scrape (the process restarted)."""
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Collected:
     """What the collectors saw since the previous call."""
 
@@ -136,6 +149,8 @@ class Collected:
     routed: Sequence[Routed] = ()
     """Routing mode: the requests the gateway routed since, in order (their
     observations follow as they finish)."""
+    instances: Sequence[InstanceSeen] = ()
+    """The shape (γ, or off) each scraped instance's page showed."""
 
 
 class ObservationSource(Protocol):

@@ -6,6 +6,7 @@ simulator's fleet) both call; ``controller.api.create_app`` then serves it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,11 @@ def build_service(
     )
     if placements is None:
         placements = FleetPlacements(settings, fleet)
-    placements.arms = loop.arms
+    placements.running = loop.running
+    if placements.managed is not None:
+        for name, pool in fleet.pools.items():
+            if not pool.instances:  # the managed actuator starts it: it knows the config
+                loop.running.read_back[name] = functools.partial(placements.managed.config, name)
     pod = next((p for a in loop.actuators if (p := wrapped(a, Pod)) is not None), None)
     if pod is not None:
         pod.target = loop.pool_target  # a replica waiting for its turn takes the newest wish

@@ -496,6 +496,11 @@ class ActuatorSettings(_Strict):
     """Pool → its target checkpoint (directory or HF id in the local cache): a draft
     model is pushed to that pool only if its tokenizer and chat template match."""
     managed: ManagedActuatorSettings | None = None
+    confirm_within_s: PositiveSeconds = 300.0
+    """How long a pushed config may take to show in what vLLM reports (the γ of its
+    per-position series, or no spec-decode series for off) before the push counts as
+    not applied (``SpecpilotPushNotApplied``). It covers the orchestrator's restart of
+    vLLM: a file or webhook hands the config over and knows nothing more."""
 
     @model_validator(mode="after")
     def _routing_pushes_nothing(self) -> Self:

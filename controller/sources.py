@@ -12,11 +12,13 @@ its ``classes``, or of the settings' ``classes``): the class whose decisions set
 pool's config, so the config it ran is that class's arm. Other classes a pool serves
 learn from the gateway's per-request observations only, where the gateway is served.
 
-The arm a window ran is read from the window itself where the config says less: no
-spec-decode series means off whatever was pushed (the instance did not pick the new
-config up yet), and the number of per-position series is its γ. Where the config sets
-γ by batch size (``num_speculative_tokens_per_batch_size``), the window's mean running
-requests pick the range, and γ = 0 there is off.
+The arm a window ran is what vLLM shows, never what was pushed: no spec-decode series
+is off, the number of per-position series is its γ, and the method is the one the pool
+is believed to run (``controller.running``: the actuator's read-back where it has one,
+else what the evidence confirmed). Where the config sets γ by batch size
+(``num_speculative_tokens_per_batch_size``), the window's mean running requests pick
+the range, and γ = 0 there is off. Every scrape also reports each instance's shape
+(``InstanceSeen``), from which a push is confirmed or found not applied.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ from collectors.scraper import Scraper, ScraperSettings, ScrapeTarget
 from collectors.window import WindowStats, WorkerWindow
 from controller.contexts import bucket_of
 from controller.fleet import Fleet
-from controller.ports import Collected, ObservationSource
+from controller.ports import Collected, InstanceSeen, ObservationSource
+from controller.running import RunningConfigs
 from controller.settings import Settings
 from controller.specconfig import OFF, SpecConfigError, parse_arm, resolve_on_pool
 from controller.store.records import WindowStatRecord
 
 Clock = Callable[[], float]
+UNKNOWN_ARM = "unknown"
+"""A window that drafted under a config nobody knows the method of."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,7 @@ class Placement:
     url: str
     """Base URL, e.g. ``http://10.0.0.7:8000``."""
     config: Mapping[str, Any] | None
-    """None: no speculation."""
+    """The config it is believed to run (None: no speculation)."""
     replica: str | None = None
     """Per-pod topology: the replica whose pod runs it (every pod's vLLM is on its own
     localhost, so the URL alone names no instance of the fleet)."""
@@ -65,19 +70,23 @@ class Placement:
         fragment in the per-pod topology (``http://127.0.0.1:8000#pod-a``)."""
         return self.url if self.replica is None else f"{self.url}#{self.replica}"
 
+    speculative: Mapping[str, Any] | None = None
+    """Where ``config`` is off: the method an instance seen speculating runs anyway
+    (the push that turned it off did not take); see ``RunningConfigs.speculative``."""
+
 
 class FleetPlacements:
-    """Where each pool runs and with which config, as the loop knows it: a managed
-    pool's instance and config from the managed actuator, any other pool's instances
-    from the settings with the config its contexts' arms make (``Fleet.pool_config``).
+    """Where each pool runs and with which config, as the evidence shows it: a managed
+    pool's instance and config from the managed actuator (which started it), any other
+    pool's instances from the settings with the config ``running`` believes it runs.
 
-    ``arms`` is the loop's table of each context's arm (set once the loop exists);
-    until then, and in routing mode, a pool runs what the settings say.
+    ``running`` is the loop's ``RunningConfigs`` (set once the loop exists); until then,
+    and in routing mode, a pool runs what the settings say.
     """
 
     def __init__(self, settings: Settings, fleet: Fleet) -> None:
         self.settings, self.fleet = settings, fleet
-        self.arms: Mapping[Any, str] | None = None
+        self.running: RunningConfigs | None = None
         self.managed: Any = None
         """The ``ManagedActuator``, where pools are managed (``urls``, ``config``)."""
         managed = settings.actuators.managed
@@ -86,18 +95,26 @@ class FleetPlacements:
 
     def __call__(self) -> list[Placement]:
         placements = []
-        routing = self.settings.actuators.mode == "routing"
         for name, pool in sorted(self.fleet.pools.items()):
-            config: Mapping[str, Any] | None = pool.speculative_config
+            settings_config = pool.speculative_config
+            config: Mapping[str, Any] | None = settings_config
+            if settings_config.get("method") == OFF:
+                config = None
+            speculative = config
             if self.managed is not None and not pool.instances:
                 config = self.managed.config(name)
                 placements += [
-                    Placement(name, url, config, self.replica) for url in self.managed.urls(name)
+                    Placement(name, url, config, self.replica, config)
+                    for url in self.managed.urls(name)
                 ]
                 continue
-            if not routing and self.arms is not None:
-                config = self.fleet.pool_config(name, self.arms).config
-            placements += [Placement(name, url.rstrip("/"), config) for url in pool.instances]
+            if not self.fleet.routing and self.running is not None:
+                config = self.running.believed(name)
+                speculative = self.running.speculative(name)
+            placements += [
+                Placement(name, url.rstrip("/"), config, speculative=speculative)
+                for url in pool.instances
+            ]
         return placements
 
 
@@ -117,6 +134,7 @@ class Attribution:
         healthy: bool,
         status: str | None,
     ) -> tuple[list[WindowStatRecord], list[WindowObservation]]:
+        """What the window stores and teaches (see ``seen`` for what it shows runs)."""
         now = self.clock()
         pool = self.fleet.pools[placement.pool]
         cls = self.fleet.primary_class(pool)
@@ -178,23 +196,37 @@ class Attribution:
                 )
         return records, evidence
 
+    def seen(self, placement: Placement, window: WorkerWindow | None) -> InstanceSeen | None:
+        """The shape one scrape of an instance showed (None: nothing on its page yet)."""
+        if window is None or not window.models:
+            return None
+        pool = self.fleet.pools[placement.pool]
+        model = window.models.get(pool.model)
+        stats = model.total if model is not None else window.total
+        positions = len(stats.spec.accepted_per_position) if stats.spec is not None else 0
+        return InstanceSeen(
+            placement.pool, placement.instance, positions, window.reset, self.clock()
+        )
+
     def _arm(self, placement: Placement, stats: WindowStats) -> str:
+        """The arm vLLM shows: off without spec-decode series, else the believed method
+        at the γ its per-position series count."""
         if stats.spec is None:
             return OFF
         pool = self.fleet.pools[placement.pool]
+        config = placement.config if placement.config is not None else placement.speculative
+        if config is None:
+            return UNKNOWN_ARM
         try:
             arm = resolve_on_pool(
-                dict(placement.config or {"method": OFF}),
-                placement.pool,
-                pool.proposer_list(),
-                pinnable=False,
+                dict(config), placement.pool, pool.proposer_list(), pinnable=False
             )
         except SpecConfigError:
-            return "unknown"
+            return UNKNOWN_ARM
         parsed = parse_arm(arm)
         if parsed is None:
             return arm
-        table = (placement.config or {}).get("num_speculative_tokens_per_batch_size")
+        table = config.get("num_speculative_tokens_per_batch_size")
         if table and stats.running.mean is not None:
             # γ by batch size: the window's mean batch says which range it ran in.
             batch = max(1, round(stats.running.mean))
@@ -259,9 +291,14 @@ class ScrapeSource:
         await self.scraper.scrape_all()
         records: list[WindowStatRecord] = []
         evidence: list[WindowObservation] = []
+        shapes: list[InstanceSeen] = []
         for name, placement in self._where.items():
             taken = self.scraper.take_window(name)
             status = taken.status
+            if status.consecutive_failures == 0:
+                shape = self._attribution.seen(placement, taken.window)
+                if shape is not None:
+                    shapes.append(shape)
             healthy = not status.stale and status.consecutive_failures == 0
             line = None
             if status.last_error is not None:
@@ -273,7 +310,7 @@ class ScrapeSource:
             )
             records += stored
             evidence += learned
-        return Collected(windows=records, window_observations=evidence)
+        return Collected(windows=records, window_observations=evidence, instances=shapes)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -333,6 +370,7 @@ class PrometheusSource:
                 records += stored
             return Collected(windows=records)
         self._last_at = now
+        shapes: list[InstanceSeen] = []
         for key, placement in placements.items():
             window = windows.get(key)
             if window is None:
@@ -341,10 +379,13 @@ class PrometheusSource:
                 )
                 records += stored
                 continue
+            shape = self._attribution.seen(placement, window)
+            if shape is not None:
+                shapes.append(shape)
             stored, learned = self._attribution.of(placement, window, healthy=True, status=None)
             records += stored
             evidence += learned
-        return Collected(windows=records, window_observations=evidence)
+        return Collected(windows=records, window_observations=evidence, instances=shapes)
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -387,4 +428,5 @@ def _merged(parts: Sequence[Collected]) -> Collected:
         windows=tuple(w for p in parts for w in p.windows),
         window_observations=tuple(w for p in parts for w in p.window_observations),
         routed=tuple(r for p in parts for r in p.routed),
+        instances=tuple(i for p in parts for i in p.instances),
     )

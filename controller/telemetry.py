@@ -74,6 +74,13 @@ class ServiceMetrics:
             "Records dropped because the write buffer was full.",
             registry=registry,
         )
+        self.push_applied = Gauge(
+            "specpilot_push_applied",
+            "Push mode: 1 when what vLLM reports shows the pool's last pushed config "
+            "running, 0 while it does not (pending, or not applied in time).",
+            ["pool"],
+            registry=registry,
+        )
         self.predicted_speedup = Gauge(
             "specpilot_context_predicted_speedup",
             "Speed-up over no speculation the policy expects from the context's arm.",

@@ -47,9 +47,10 @@ from controller.api.schemas import (
 from controller.contexts import WILDCARD
 from controller.loop import FROZEN_KEY, RouteShare
 from controller.ports import ArmEstimate
+from controller.running import PushState
 from controller.service import Service
 from controller.settings import Settings
-from controller.specconfig import SpecConfigError
+from controller.specconfig import OFF, SpecConfigError
 from controller.store.db import StoreLost, is_unavailable
 from controller.store.records import OverrideRecord, Scope
 from controller.urls import redact_url
@@ -157,6 +158,42 @@ def _override_out(service: Service, override: OverrideRecord) -> OverrideOut:
     )
 
 
+def _pool_out(service: Service, name: str, instances: list[InstanceOut]) -> PoolOut:
+    """One pool: what runs (as vLLM shows it) beside what was pushed."""
+    pool, loop = service.fleet.pools[name], service.loop
+    settings_config = dict(pool.speculative_config)
+    effective = service.fleet.pool_config(name, loop.arms).config
+    if service.fleet.routing:
+        running = None if settings_config.get("method") == OFF else settings_config
+        arm = loop.running.arm_of(name, running)
+        view = None
+        summary = f"runs {arm}"
+    else:
+        config = loop.running.running_config(name)
+        running = dict(config) if config is not None else None
+        view = loop.running.view(name)
+        arm = view.running
+        summary = f"runs {arm}"
+        if view.pushed is not None and view.state is not PushState.CONFIRMED:
+            summary = f"pushed {view.pushed}, running {arm} ({view.state})"
+    return PoolOut(
+        name=name,
+        model=pool.model,
+        classes=pool.classes or list(service.settings.classes),
+        proposers=[p.name for p in pool.proposer_list()],
+        settings_config=settings_config,
+        running_config=running,
+        running_arm=arm,
+        effective_config=effective,
+        pushed_arm=view.pushed if view else None,
+        push_state=view.state.value if view and view.state else None,
+        pushed_at=view.pushed_at if view else None,
+        push_settled_at=view.settled_at if view else None,
+        summary=summary,
+        instances=instances,
+    )
+
+
 def build_router() -> APIRouter:
     v1 = APIRouter(prefix="/v1")
 
@@ -200,17 +237,7 @@ def build_router() -> APIRouter:
                         status=window.status if window else "not scraped yet",
                     )
                 )
-            pools.append(
-                PoolOut(
-                    name=name,
-                    model=pool.model,
-                    classes=pool.classes or list(service.settings.classes),
-                    proposers=[p.name for p in pool.proposer_list()],
-                    running_config=pool.speculative_config,
-                    effective_config=service.fleet.pool_config(name, loop.arms).config,
-                    instances=instances,
-                )
-            )
+            pools.append(_pool_out(service, name, instances))
         return FleetOut(leader=loop.is_leader, frozen=loop.frozen, pools=pools)
 
     @v1.get("/policy", response_model=PolicyOut, response_model_by_alias=True)
@@ -225,7 +252,8 @@ def build_router() -> APIRouter:
                         pins[context] = override
         contexts = []
         for context in service.fleet.contexts:
-            arm = loop.arms.get(context) or service.fleet.running_arm(context)
+            arm = loop.running_arm(context)
+            decided = loop.arms.get(context) or service.fleet.running_arm(context)
             estimates = [
                 _estimate(e, book.of_arm(context.model, context.workload_class, e.arm))
                 for e in service.policy.estimates(context)
@@ -240,6 +268,7 @@ def build_router() -> APIRouter:
                     workload_class=context.workload_class,
                     bucket=context.bucket,
                     arm=arm,
+                    decided_arm=decided,
                     actor=loop.actors.get(context, "policy"),
                     changed_at=changed if changed is not None and changed > 0 else None,
                     override_id=pins[context].id if context in pins else None,

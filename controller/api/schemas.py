@@ -139,8 +139,12 @@ class ContextPolicyOut(BaseModel):
     workload_class: str = Field(serialization_alias="class")
     bucket: str
     arm: str
-    """The arm the context runs; in routing mode the arm the gateway sends its requests
-    to (the policy's committed arm, or an operator's pin), exploration aside."""
+    """The arm the context runs: in push mode as vLLM's metrics show its pool running;
+    in routing mode the arm the gateway sends its requests to (the policy's committed
+    arm, or an operator's pin), exploration aside."""
+    decided_arm: str
+    """The arm last decided for it (by the policy or an operator): in push mode, what
+    was pushed, which differs from ``arm`` until the fleet runs it."""
     actor: Literal["policy", "operator"]
     changed_at: float | None
     """When the arm last changed; null if it never did under specpilot."""
@@ -189,10 +193,26 @@ class PoolOut(BaseModel):
     model: str
     classes: list[str]
     proposers: list[str]
-    running_config: dict[str, Any]
+    settings_config: dict[str, Any]
     """What the settings say the instances were started with."""
+    running_config: dict[str, Any] | None
+    """What the instances run as vLLM's metrics show it (null: no speculation): γ from
+    their per-position series, off from no spec-decode series, the method from the
+    managed actuator or the last push the evidence confirmed."""
+    running_arm: str
+    """``running_config`` as an arm (``unknown`` while its instances disagree)."""
     effective_config: dict[str, Any] | None
     """What specpilot wants them to run now (null: no speculation)."""
+    pushed_arm: str | None = None
+    """Push mode: the arm of the last config handed to the actuators; null before any."""
+    push_state: Literal["confirmed", "pending", "not_applied"] | None = None
+    """Push mode: ``confirmed`` once vLLM's metrics show the push running, ``pending``
+    until then, ``not_applied`` after ``actuators.confirm_within_s`` without it."""
+    pushed_at: float | None = None
+    push_settled_at: float | None = None
+    """When the push was confirmed or found not applied."""
+    summary: str
+    """One line: ``runs ngram:4`` or ``pushed ngram:2, running ngram:4 (not_applied)``."""
     instances: list[InstanceOut]
 
 

@@ -150,9 +150,18 @@ def test_override_lifecycle(api: Api) -> None:
     assert all(d["arm"] == "ngram:3" and "incident 42" in d["reason"] for d in decided)
     policy = api.client.get("/v1/policy").json()
     code = [c for c in policy["contexts"] if c["class"] == "code"]
-    assert all(c["arm"] == "ngram:3" and c["override_id"] == body["id"] for c in code)
+    assert all(c["decided_arm"] == "ngram:3" and c["override_id"] == body["id"] for c in code)
+    # Nothing runs it: the pool's instance never answers, so what runs is what ran.
+    assert all(c["arm"] == "off" for c in code)
     fleet = api.client.get("/v1/fleet").json()
-    assert fleet["pools"][0]["effective_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    pool = fleet["pools"][0]
+    assert pool["effective_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert (pool["pushed_arm"], pool["push_state"], pool["running_arm"]) == (
+        "ngram:3",
+        "pending",
+        "off",
+    )
+    assert pool["summary"] == "pushed ngram:3, running off (pending)"
 
     assert api.client.delete(f"/v1/overrides/{body['id']}", headers=WRITE).status_code == 204
     assert api.client.delete(f"/v1/overrides/{body['id']}", headers=WRITE).status_code == 404

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from controller.actuators.file import FileActuator
 from controller.contexts import Context
 from controller.fleet import PoolConfig
-from controller.ports import Collected
+from controller.ports import Collected, InstanceSeen
 from controller.service import Service, build_service
 from controller.settings import Settings, StoreSettings
 from controller.store.db import Store
@@ -145,14 +146,23 @@ def test_metrics_show_the_running_arms_prediction_and_events_that_have_not_happe
     for name, zero_labels in zero:
         assert registry.get_sample_value(name, zero_labels) == 0, name
     assert sample("specpilot_context_arm", arm="off") == 1
-    assert sample("specpilot_context_predicted_speedup") is None  # the policy predicts none
-    # The policy now predicts for the arm the context runs: shown, with no decision.
-    harness.policy.script[CODE_LOW] = "off"
+    assert sample("specpilot_context_predicted_speedup") == 1.0  # off, by definition
+    # The policy decides ngram:3; until vLLM shows it running, the context runs off.
+    harness.policy.script[CODE_LOW] = "ngram:3"
     harness.tick(1010.0)
-    assert harness.decisions() == []
-    assert sample("specpilot_context_predicted_speedup") == 1.5
-    del harness.policy.script[CODE_LOW]
+    assert [d.arm for d in harness.decisions()] == ["ngram:3"]
+    assert sample("specpilot_context_arm", arm="off") == 1
+    assert sample("specpilot_context_predicted_speedup") == 1.0
+    # The instance restarted into it: the running arm's prediction is shown.
+    harness.source.batches.append(
+        Collected(instances=[InstanceSeen("p", "http://127.0.0.1:9", 3, True, 1015.0)])
+    )
     harness.tick(1020.0)
+    assert sample("specpilot_context_arm", arm="ngram:3") == 1
+    assert sample("specpilot_context_arm", arm="off") is None
+    assert sample("specpilot_context_predicted_speedup") == 1.5
+    del harness.policy.script[CODE_LOW]  # the policy predicts nothing for it any more
+    harness.tick(1030.0)
     assert sample("specpilot_context_predicted_speedup") is None
 
 
@@ -164,7 +174,10 @@ def test_chat_decisions_do_not_touch_a_pool_whose_primary_class_is_code(harness:
     assert len(harness.actuator.calls) == 1  # only the first, full push
 
 
-def test_override_pins_then_hands_back_when_it_expires(harness: Harness) -> None:
+def test_override_pins_then_hands_back_when_it_expires(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specpilot.actions")
     harness.store.add_override(
         OverrideRecord(
             "o1",
@@ -188,6 +201,11 @@ def test_override_pins_then_hands_back_when_it_expires(harness: Harness) -> None
     assert back[CODE_LOW].arm == "tiny:2" and back[CODE_LOW].actor == "policy"
     assert back[CODE_LOW].reason.startswith("operator override ended")
     assert harness.policy.pins == {}
+    logged = [r.getMessage() for r in caplog.records if r.name == "specpilot.actions"]
+    assert [line.split(" [")[0] for line in logged if line.startswith("override_")] == [
+        "override_set: override o1 in force: incident 42",
+        "override_ended: override o1 expired: incident 42",
+    ]
 
 
 def test_most_specific_override_wins(harness: Harness) -> None:
@@ -506,3 +524,52 @@ def test_routed_share_counts_the_requests_finished_since_the_arm_changed(tmp_pat
         assert (share.requests, share.elsewhere) == (4, 1)
     finally:
         harness.close()
+
+
+def test_a_push_vllm_never_shows_raises_push_not_applied_until_it_does(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="specpilot.actions")
+    registry = harness.service.registry
+    instance = "http://127.0.0.1:9"
+
+    def shows(positions: int, at: float, *, restarted: bool = False) -> None:
+        harness.source.batches.append(
+            Collected(instances=[InstanceSeen("p", instance, positions, restarted, at)])
+        )
+
+    def firing() -> list[str]:
+        return [a.message for a in harness.store.alerts(unresolved_only=True)]
+
+    shows(0, 999.0)
+    harness.tick()
+    harness.policy.script[CODE_LOW] = "ngram:3"
+    harness.policy.script[CODE_HIGH] = "ngram:3"
+    harness.tick(1010.0)  # decided and handed to the file actuator
+    assert registry.get_sample_value("specpilot_push_applied", {"pool": "p"}) == 0
+    for at in (1100.0, 1200.0, 1300.0):
+        shows(0, at)  # vLLM runs no speculation: no spec-decode series
+        harness.tick(at)
+    assert firing() == []  # within actuators.confirm_within_s (300 s)
+    shows(0, 1311.0)
+    harness.tick(1311.0)
+    [message] = firing()
+    assert "pushed ngram:3, running off" in message
+    [alert] = harness.store.alerts(unresolved_only=True)
+    assert (alert.name, alert.context) == ("SpecpilotPushNotApplied", "pool=p")
+    # Windows of this time are the running arm's: the policy learned nothing of ngram:3.
+    assert harness.loop.running_arm(CODE_LOW) == "off"
+    shows(0, 1320.0)
+    harness.tick(1320.0)
+    assert len(harness.store.alerts()) == 1  # raised once, not every iteration
+    # The orchestrator restarts vLLM with it at last: confirmed, resolved.
+    shows(3, 1330.0, restarted=True)
+    harness.tick(1330.0)
+    assert firing() == []
+    assert harness.loop.running_arm(CODE_LOW) == "ngram:3"
+    assert registry.get_sample_value("specpilot_push_applied", {"pool": "p"}) == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "specpilot.actions"]
+    assert any(line.startswith("push_not_applied: pool p: pushed ngram:3") for line in logged)
+    assert any(line.startswith("alert_raised: SpecpilotPushNotApplied") for line in logged)
+    assert any(line.startswith("push_confirmed: p: vLLM reports ngram:3") for line in logged)
+    assert any(line.startswith("alert_resolved: SpecpilotPushNotApplied") for line in logged)

@@ -154,14 +154,14 @@ def test_restart_after_kill_keeps_overrides_decisions_and_learning(
     started.append(second)
     policy = second.until(lambda: second.readyz() and second.get("/v1/policy"))
     code_low = next(c for c in policy["contexts"] if (c["class"], c["bucket"]) == ("code", "1-3"))
-    assert code_low["arm"] == "ngram:3"
+    assert code_low["decided_arm"] == "ngram:3"
     assert code_low["estimate"]["observations"] >= learned  # learning came back
     assert [o["id"] for o in second.get("/v1/overrides")["overrides"]] == [created.json()["id"]]
     after = decisions(second)
     assert [d["id"] for d in after[-len(before) :]] == [d["id"] for d in before]
     assert not [d for d in after if d["id"] > before[0]["id"] and d["actor"] == "operator"]
     chat = [c for c in policy["contexts"] if c["class"] == "chat"]
-    assert all(c["arm"] == "ngram:2" and c["override_id"] for c in chat)
+    assert all(c["decided_arm"] == "ngram:2" and c["override_id"] for c in chat)
     pushed = json.loads((tmp_path / "data" / "speculative-configs" / "p.json").read_text())
     assert pushed["method"] == "ngram"
 

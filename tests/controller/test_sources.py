@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from controller.fleet import Fleet
+from controller.ports import InstanceSeen
+from controller.running import RunningConfigs
 from controller.settings import Settings
 from controller.sources import FleetPlacements, ScrapeSource
 
@@ -107,8 +109,11 @@ def test_windows_evidence_and_one_line_reasons(tmp_path: Path) -> None:
         assert by_host["garbage"].healthy is False
         assert by_host["garbage"].status is not None
         assert "\n" not in by_host["garbage"].status
-        # One scrape is no window yet: nothing to learn.
+        # One scrape is no window yet: nothing to learn; but the page shows γ = 4.
         assert by_host["good"].healthy is True
+        [shape] = first.instances  # the failing instances show nothing
+        assert (shape.pool, shape.instance, shape.positions) == ("code", "http://good:8000", 4)
+        assert shape.restarted is False
         assert first.window_observations == []
 
         now[0] += 5.0
@@ -130,6 +135,41 @@ def test_windows_evidence_and_one_line_reasons(tmp_path: Path) -> None:
         assert third.window_observations == []
         restarted = next(w for w in third.windows if "good" in w.instance)
         assert restarted.status is not None and "restarted" in restarted.status
+        assert [s.restarted for s in third.instances] == [True]
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_windows_are_the_arm_vllm_shows_whatever_was_pushed(tmp_path: Path) -> None:
+    """Pushed off and believed off, the instance still drafts with four positions: its
+    windows are n-gram γ = 4 (the method it was last known to run), never off."""
+    pages = Pages()
+    served = model_of(pages.good)
+    data = settings(tmp_path).model_dump(mode="python")
+    data["fleet"]["pools"]["code"]["instances"] = ["http://good:8000"]
+    data["fleet"]["pools"]["code"]["model"] = served
+    config = Settings.model_validate(data)
+    fleet = Fleet(config)
+    now = [1000.0]
+    running = RunningConfigs(fleet, confirm_within_s=60.0, clock=lambda: now[0])
+    running.pushed("code", None, 990.0)
+    running.see(InstanceSeen("code", "http://good:8000", 0, True, 995.0))
+    running.settle()
+    assert running.believed("code") is None  # an off it once confirmed
+    placements = FleetPlacements(config, fleet)
+    placements.running = running
+    client = httpx.AsyncClient(transport=httpx.MockTransport(pages))
+    source = ScrapeSource(config, placements, clock=lambda: now[0], client=client)
+
+    async def run() -> None:
+        await source.collect()
+        now[0] += 5.0
+        pages.good = (PAGES / "metrics-ngram-after.txt").read_text()
+        collected = await source.collect()
+        [evidence] = collected.window_observations
+        assert evidence.arm == "ngram:4"
+        assert [w.arm for w in collected.windows] == ["ngram:4"]
         await client.aclose()
 
     asyncio.run(run())
