@@ -114,17 +114,19 @@ class Alerts:
             return None
         key = (event.model, event.workload_class, event.proposer)
         track = self.book.track(key)
-        fall = track.fall(after=self._settled.get(key, -math.inf)) if track else None
         detector = (
             f"the change detector saw position-0 acceptance per drafted step fall "
             f"{event.before:.2f} -> {event.after:.2f}"
         )
         what = f"{event.proposer} acceptance for {event.workload_class} on {event.model}"
-        if fall is None or track is None:
+        if track is None or not track.evidence:
             # No drafted evidence with vLLM's token counts (requests reported without).
             firing = _Firing(event.before, event.after, -math.inf)
             message = f"{what} fell; vLLM reported no draft token counts: {detector}"
         else:
+            fall = track.fall(after=self._settled.get(key, -math.inf))
+            if fall is None:
+                return None  # vLLM's acceptance over the same evidence shows no fall
             before, after = fall
             firing = _Firing(before.ratio, after.ratio, track.evidence[-1].until)
             message = f"{what} fell from {before.describe()} to {after.describe()}; {detector}"

@@ -15,10 +15,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from collectors.observations import WindowObservation
+from controller.alerting import Alerts
 from controller.api import create_app
-from controller.ports import Collected
+from controller.ports import Collected, DriftEvent
 from controller.service import build_service
 from controller.settings import Settings
+from controller.telemetry import ServiceMetrics
 from controller.wiring import bandit_policy
 from tests.controller.fakes import QueueSource
 from tests.policies.test_window_evidence import CONDITIONALS, as_window, requests
@@ -297,3 +299,28 @@ def test_a_restart_with_other_arms_keeps_what_still_holds(tmp_path: Path) -> Non
         assert second.loop.arms  # every context has its arm back
     finally:
         second.close()
+
+
+def test_a_detected_fall_that_vllms_acceptance_does_not_show_raises_nothing() -> None:
+    """The detector reads position 0 only; the alert speaks of vLLM's acceptance, so a
+    fall there that the accepted-over-draft-tokens figure does not show is no alert."""
+    alerts = Alerts(ServiceMetrics(CollectorRegistry()))
+    rng = np.random.default_rng(3)
+    at = 1000.0
+    for conditionals in [(0.5, 0.5, 0.5, 0.5)] * 4 + [(0.9, 0.9, 0.9, 0.9)] * 4:
+        at += 15.0
+        alerts.note_window(as_window(requests(rng, 20, conditionals), at))
+    event = DriftEvent(at, "m", "code", "ngram", before=0.9, after=0.6)
+    assert alerts.drifted(event) is None
+    assert alerts.firing_drifts() == []
+
+
+def test_a_fall_without_vllms_counts_says_so() -> None:
+    """Requests whose stats lack draft token counts: the alert says what the detector
+    saw and that vLLM gave no counts, rather than a figure it does not have."""
+    alerts = Alerts(ServiceMetrics(CollectorRegistry()))
+    event = DriftEvent(1000.0, "m", "code", "ngram", before=0.9, after=0.3)
+    record = alerts.drifted(event)
+    assert record is not None
+    assert "vLLM reported no draft token counts" in record.message
+    assert "position-0 acceptance per drafted step fall 0.90 -> 0.30" in record.message
