@@ -190,7 +190,7 @@ class Scraper:
             # Expected: httpx.HTTPError, TimeoutError, ExpositionError, _PageError. Anything
             # else (a malformed URL, a client bug) still stays this target's failure: one
             # target must never take the others' tasks down with it.
-            self._failed(state, _describe(error))
+            self._failed(state, describe_error(error))
             return False
         state.record(snapshot, self._clock())
         state.next_scrape_at = self._clock() + self._jittered(self.settings.interval_s)
@@ -278,7 +278,8 @@ class _PageError(Exception):
     """The target answered, but not with a usable page."""
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """One line for a failed request: "timed out", else the error type and its message."""
     if isinstance(error, TimeoutError):
         return "timed out"
     text = " ".join(str(error).split())

@@ -40,7 +40,8 @@ class Action(StrEnum):
     ROLLBACK = "rollback"
     """A push failed and the old config serves (``pool``, ``actuator``, ``error``)."""
     INSTANCE_DOWN = "instance_down"
-    """An instance stopped answering or serves another model (``pool``, ``instance``)."""
+    """An instance stopped answering or serves another model (``pool``, ``instance``,
+    ``reason``: ``unreachable``, ``bad_answer`` or ``wrong_model``; ``served``: its names)."""
     INSTANCE_UP = "instance_up"
     """An instance that was down answers again (``pool``, ``instance``)."""
     ALERT_RAISED = "alert_raised"

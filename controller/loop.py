@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_args
 
@@ -50,8 +50,10 @@ from controller.alerting import DRIFT, LOSING, Alerts, losing_context
 from controller.contexts import Context, bucket_of
 from controller.exactness import EXACTNESS_BROKEN, ExactnessChecker, exactness_failures
 from controller.fleet import Fleet, PoolConfig
+from controller.instances import INSTANCE_DOWN, InstanceHealth
+from controller.instances import SEVERITY as INSTANCE_DOWN_SEVERITY
 from controller.notify import notifier_from
-from controller.ports import ArmChoice, ControlPolicy, ObservationSource, Route, Routed
+from controller.ports import ArmChoice, Collected, ControlPolicy, ObservationSource, Route, Routed
 from controller.running import Push, PushState, RunningConfigs
 from controller.settings import Settings
 from controller.specconfig import OFF, SpecConfigError
@@ -95,6 +97,7 @@ ALERT_NAMES = (
     OVERRIDE_NOT_RUNNABLE,
     STORE_LOST,
     PUSH_NOT_APPLIED,
+    INSTANCE_DOWN,
 )
 """Every alert the loop raises."""
 NOT_RUNNABLE = "not_runnable"
@@ -242,6 +245,9 @@ class ControlLoop:
         """The overrides whose coming into force the log has (see ``_log_overrides``)."""
         self._not_applied: set[str] = set()
         """Pools whose ``SpecpilotPushNotApplied`` fires."""
+        self.instances: InstanceHealth | None = None
+        """Probes the pool instances each iteration this replica collects
+        (``controller.instances``); None: not probed."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -361,6 +367,8 @@ class ControlLoop:
             if alert.name == OVERRIDE_NOT_RUNNABLE:
                 # Resolved at the first pass over the overrides unless it still holds.
                 self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
+        if self.instances is not None:
+            self.instances.restore(unresolved)
         # Resolved by the first push the evidence confirms (every pool is pushed again).
         self._not_applied = {
             a.context.removeprefix("pool=")
@@ -430,6 +438,8 @@ class ControlLoop:
                 await self._pushing
         await self._flush()
         await self.source.aclose()
+        if self.instances is not None:
+            await self.instances.aclose()
         for actuator in self.actuators:
             close = getattr(actuator, "aclose", None)
             if close is not None:
@@ -468,9 +478,10 @@ class ControlLoop:
         if not was_leader:
             await self._read(self._load, None)  # take-over: continue from the store
             self._push_all = True
+            await self._restore_instances()
         await self._flush()
 
-        collected = await self.source.collect()
+        collected = await self._collect_and_probe(self.source.collect())
         for seen in collected.instances:
             self.running.see(seen)
         await self._settle_pushes()
@@ -579,6 +590,30 @@ class ControlLoop:
             AlertRecord(now, name, severity, message, context=context, resolved_at=now)
         )
 
+    async def _collect_and_probe(self, collecting: Awaitable[Collected]) -> Collected:
+        """Collect while probing the instances (``controller.instances``): raise or
+        resolve ``SpecpilotInstanceDown``; a wrong-model instance's windows teach nothing."""
+        if self.instances is None:
+            return await collecting
+        collected, changed = await asyncio.gather(collecting, self.instances.probe())
+        for alert in changed.raised:
+            await self._record(alert)
+        for context in changed.resolved:
+            await self._resolve(INSTANCE_DOWN, INSTANCE_DOWN_SEVERITY, context)
+        for alert in changed.firing:  # still down: Alertmanager's copy must not lapse
+            self.notifier.notify(alert)
+        return self.instances.screen(collected)
+
+    async def _restore_instances(self) -> None:
+        """Take-over: the instance alerts the last leader raised fire on, not twice."""
+        if self.instances is None:
+            return
+        none: list[AlertRecord] = []
+        unresolved = await self._read(
+            lambda: self.store.alerts(limit=1000, unresolved_only=True), none
+        )
+        self.instances.restore(unresolved)
+
     async def _check_store_lost(self, now: float) -> None:
         """A SQLite file deleted or replaced under the store: say so once, loudly (the
         store refuses every call from then on, so this alert waits in the journal for
@@ -599,7 +634,7 @@ class ControlLoop:
         if not self._source_is_exclusive:
             return
         collect = getattr(self.source, "collect_exclusive", self.source.collect)
-        collected = await collect()
+        collected = await self._collect_and_probe(collect())
         self._count_routed(collected.routed)
         handed = [o.to_json() for o in collected.observations]
         handed += [{WINDOW_KEY: w.to_json()} for w in collected.window_observations]

@@ -10,7 +10,8 @@ An alert's identity is its labels: ``alertname`` (the record's name), ``severity
 settings' ``alerting.labels``, and what its ``context`` names — a context written as
 ``model/class/bucket`` gives ``model_name``, ``workload_class`` and ``bucket``; one
 written as ``key=value,...`` gives any of ``model_name``, ``workload_class``, ``bucket``,
-``proposer`` and ``pool``. The message is the ``summary`` annotation.
+``proposer``, ``pool`` and ``url`` (an instance's, ``SpecpilotInstanceDown``). The
+message is the ``summary`` annotation.
 
 - **Alertmanager** (``alerting.alertmanager_url``): a firing alert is posted at once and
   again every ``resend_interval_s`` with ``endsAt`` four intervals ahead (so it resolves
@@ -47,7 +48,7 @@ from controller.telemetry import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-CONTEXT_LABELS = frozenset({"model_name", "workload_class", "bucket", "proposer", "pool"})
+CONTEXT_LABELS = frozenset({"model_name", "workload_class", "bucket", "proposer", "pool", "url"})
 MAX_FIRING = 1000
 """Alerts kept firing at most (the oldest go first): labels are bounded by the fleet,
 this only guards against a caller that puts unbounded values in a context."""

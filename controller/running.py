@@ -8,11 +8,11 @@ believed to run changes only on evidence:
   the page is off; the number of ``position`` series of
   ``vllm:spec_decode_num_accepted_tokens_per_pos_total`` is the γ it was started with
   (under a ``num_speculative_tokens_per_batch_size`` table, the table's largest γ);
-- **its method** from the actuator's read-back where it has one (the managed actuator
-  knows the config it started), else the method believed so far (at start, the
-  settings' ``speculative_config``). A new method is believed when an instance shows
-  the pushed shape after a restart (its counters went back) that came after the push:
-  a method cannot change without one.
+- **the rest** (its method, a γ-by-batch-size table, tuning keys) from the actuator's
+  read-back where it has one (the managed actuator knows the config it started), else
+  what was believed so far (at start, the settings' ``speculative_config``). A pushed
+  change is believed when each instance shows the pushed shape after a restart (its
+  counters went back) that came after the push: vLLM takes a config only at start.
 
 A push is ``pending`` until every instance seen since shows it, then ``confirmed`` (the
 pool is believed to run it); one still pending ``confirm_within_s`` after it was made is
@@ -202,11 +202,18 @@ class RunningConfigs:
         push = Push(config, self.arm_of(pool, config), at, PushState.PENDING)
         state.push = push
         if self._shows(state, push, at) or (
-            same_config(config, state.believed)
+            self._same_run(pool, config, state.believed)
             and all(i.positions == shape_of(config) for i in state.instances.values())
         ):
             self._confirm(state, push, at)
         return push
+
+    def _same_run(self, pool: str, a: Config, b: Config) -> bool:
+        """Whether an engine started with ``a`` runs as one started with ``b``: the same
+        arm and the same γ-by-batch-size table (tuning keys written differently aside)."""
+        if a is None or b is None:
+            return a is None and b is None
+        return self.arm_of(pool, a) == self.arm_of(pool, b) and a.get(TABLE_KEY) == b.get(TABLE_KEY)
 
     def see(self, seen: InstanceSeen) -> None:
         state = self._pools.get(seen.pool)
@@ -250,13 +257,14 @@ class RunningConfigs:
         if not fresh:
             return False
         want = shape_of(push.config)
-        method = (push.config or {}).get("method")
-        before = (state.believed or state.speculative or {}).get("method")
+        # vLLM takes a config only at start: a change is believed once the instance
+        # restarted after the push (its method, a γ table, tuning keys: its page shows
+        # none of them), or once the actuator that started it says so.
+        changed = not self._same_run(state.name, push.config, state.believed)
         for instance in fresh:
             if instance.positions != want:
                 return False
-            new_method = want > 0 and method != before
-            if new_method and read_back is None and not _restarted_after(instance, push.at):
+            if changed and read_back is None and not _restarted_after(instance, push.at):
                 return False
         return True
 

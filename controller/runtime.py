@@ -7,7 +7,8 @@ lives here only: the gateway exists before the actuators (a managed pool's traff
 follows its new instance through it), the sources before the loop, and the loop's
 table of each context's arm is handed to the sources once the loop exists (the config a
 pool was told to run is what its windows are attributed to); the loop publishes the
-routing table the gateway's workers route by.
+routing table the gateway's workers route by, and probes the instances the placements
+list (``controller.instances``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from controller.api import create_app
 from controller.builtin import policy_from, source_from
 from controller.fleet import Fleet
 from controller.frontdoor import GATEWAY_GRACE_S, FrontDoor
+from controller.instances import InstanceHealth
 from controller.ports import ControlPolicy
 from controller.service import Service, build_service
 from controller.settings import Settings
@@ -210,6 +212,11 @@ def assemble(
             tracing.shutdown()
         raise
     service.loop.tracer = tracer
+    # Probed wherever the loop collects: at start (retried while nothing answers) and
+    # every iteration after, whatever ``collect`` reads.
+    service.instances = service.loop.instances = InstanceHealth(
+        settings, placements, service.metrics, clock=clock
+    )
     if front is not None and front.spec.routing == "table":
         service.loop.routes_to = front.publish
     return Runtime(service, front, placements, tracing)

@@ -17,6 +17,7 @@ from controller.actuators.base import Actuator, wrapped
 from controller.actuators.configured import actuators_from
 from controller.actuators.rolling import RollingRestarts as Pod
 from controller.fleet import Fleet
+from controller.instances import InstanceHealth
 from controller.loop import ControlLoop
 from controller.ports import ControlPolicy, ObservationSource
 from controller.settings import Settings
@@ -42,6 +43,8 @@ class Service:
     """Where each pool runs now and with which config (``/v1/fleet`` lists these)."""
     pod: Pod | None = None
     """Per-pod topology: this replica's pod (its vLLM's readiness, for ``/readyz``)."""
+    instances: InstanceHealth | None = None
+    """Whether each pool instance answers with its model (``/readyz``); None: not probed."""
 
     def close(self) -> None:
         self.store.close()

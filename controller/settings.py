@@ -305,6 +305,10 @@ class AlertingSettings(_Strict):
     resolve_after_s: PositiveSeconds = 900.0
     """An alert specpilot has not raised again for this long is sent as resolved (its
     conditions, such as a failed push, are raised again each iteration they hold)."""
+    instance_down_after_s: PositiveSeconds | None = None
+    """``SpecpilotInstanceDown`` fires once a pool instance has failed every probe (or
+    served another model) for this long (``controller.instances``); None: three loop
+    intervals."""
     attempts: int = Field(default=3, ge=1)
     """Tries per delivery, the first included (back-off with jitter in between)."""
     timeout_s: PositiveSeconds = 5.0
@@ -928,7 +932,8 @@ def load_settings(path: Path | str, environ: Mapping[str, str] | None = None) ->
     environ = os.environ if environ is None else environ
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) or {}
     except OSError as exc:
         raise SettingsError([f"{path}: cannot read: {exc.strerror}"]) from None
     except UnicodeDecodeError as exc:
@@ -939,6 +944,9 @@ def load_settings(path: Path | str, environ: Mapping[str, str] | None = None) ->
         raise SettingsError([f"{path}: not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
         raise SettingsError([f"{path}: the top level must be a mapping of keys"])
+    twice = duplicate_keys(text)
+    if twice:
+        raise SettingsError([f"{key}: {problem}" for key, problem in twice], list(twice))
     odd = sorted(repr(key) for key in data if not isinstance(key, str))
     if odd:
         raise SettingsError([f"(top level): keys must be names, got {', '.join(odd)}"])
@@ -948,6 +956,49 @@ def load_settings(path: Path | str, environ: Mapping[str, str] | None = None) ->
     except ValidationError as exc:
         keyed: list[tuple[str | None, str]] = list(keyed_errors(exc))
         raise SettingsError(format_errors(exc), keyed) from None
+
+
+def duplicate_keys(text: str) -> list[tuple[str, str]]:
+    """Every key a YAML mapping gives twice, as (``key.path``, problem): PyYAML keeps the
+    last silently, so a pool written twice would lose the first without a word. Keys
+    compare as YAML reads them (``1`` and ``"1"`` differ); merge keys (``<<``) are
+    overrides by design and not counted. ``text`` must already parse."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    reader = yaml.SafeLoader("")
+    found: list[tuple[str, str]] = []
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node | None, path: tuple[str, ...]) -> None:
+        if node is None or id(node) in seen:  # an alias points at a node walked already
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, (*path, str(index)))
+        if not isinstance(node, yaml.MappingNode):
+            return
+        lines: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                walk(value_node, path)
+                continue
+            key = reader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            dotted = ".".join((*path, str(key))) or "(top level)"
+            if key in lines:
+                found.append(
+                    (
+                        dotted,
+                        f"given twice (lines {lines[key]} and {line}); give it once "
+                        "(YAML would keep the last and drop the first silently)",
+                    )
+                )
+            else:
+                lines[key] = line
+            walk(value_node, (*path, str(key)))
+
+    walk(root, ())
+    return found
 
 
 def apply_token_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:

@@ -135,6 +135,13 @@ class ServiceMetrics:
             ["alert", "model_name", "workload_class", "proposer"],
             registry=registry,
         )
+        self.instance_up = Gauge(
+            "specpilot_instance_up",
+            "1 while the pool instance answers GET /v1/models with its pool's model, else 0 "
+            "(unreachable, an HTTP error, or another model); url as /v1/fleet shows it.",
+            ["pool", "url"],
+            registry=registry,
+        )
         self.api_requests = Counter(
             "specpilot_api_requests_total",
             "REST API requests by route template and status code.",

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import hmac
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
@@ -466,6 +466,18 @@ def build_router() -> APIRouter:
     return v1
 
 
+def instances_check(service: Service, down: Mapping[str, str]) -> str:
+    """``/readyz``'s ``checks.instances``: ok, or each pool with no healthy instance."""
+    instances = service.instances
+    if instances is None or not instances.probed:
+        if service.loop.last_tick_at is None:
+            return "not probed yet"
+        return "not probed here: the leader probes the fleet"
+    if not down:
+        return "ok"
+    return "; ".join(f"pool {pool}: no healthy instance ({why})" for pool, why in down.items())
+
+
 def create_waiting_app(reason: Callable[[], str]) -> FastAPI:
     """The API while the store cannot be reached at start and the gateway already serves
     (``specpilot serve``): alive and not ready. ``/healthz`` says ok, since a liveness
@@ -554,9 +566,19 @@ def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -
             # restarts, a 503 takes the pod out of its Service.
             checks["vllm"] = service.pod.readiness()
             ready = ready and checks["vllm"] == "ok"
+        degraded = False
+        if service.instances is not None:
+            down = service.instances.pools_down()
+            checks["instances"] = instances_check(service, down)
+            degraded = bool(down)
+            # A pod's own vLLM down: the pod must leave its Service (503). Elsewhere a
+            # pool with no healthy instance leaves specpilot able to serve its API (and
+            # its gateway the other pools): degraded, still 200 (see controller/README).
+            ready = ready and not (down and service.pod is not None)
         if not ready:
             response.status_code = 503
-        return HealthOut(status="ready" if ready else "not ready", checks=checks)
+        status = "not ready" if not ready else "degraded" if degraded else "ready"
+        return HealthOut(status=status, checks=checks)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:

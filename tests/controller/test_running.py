@@ -125,3 +125,27 @@ def test_a_read_back_confirms_the_method_without_a_restart(tmp_path: Path, clock
     runs.see(seen(2, 120.0))
     [(_, push)] = runs.settle()
     assert push.state is PushState.CONFIRMED
+
+
+def test_a_gamma_table_vllm_cannot_show_needs_a_restart(tmp_path: Path, clock: Clock) -> None:
+    """Off at batch 1 and γ = 4 above: the page shows four positions either way, so only
+    a restart after the push says the table runs."""
+    runs = running(tmp_path, clock, NGRAM4)
+    runs.see(seen(4, 99.0))
+    table = {**NGRAM4, "num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 256, 4]]}
+    assert runs.pushed("p", table, 100.0).state is PushState.PENDING
+    runs.see(seen(4, 110.0))
+    assert runs.settle() == []
+    assert runs.arm("p", "1-3") == "ngram:4"  # the table is not believed
+    runs.see(seen(4, 120.0, restarted=True))
+    [(_, push)] = runs.settle()
+    assert push.state is PushState.CONFIRMED
+    assert runs.arm("p", "1-3") == "off" and runs.arm("p", "4+") == "ngram:4"
+
+
+def test_the_same_run_written_with_other_keys_is_confirmed_at_once(
+    tmp_path: Path, clock: Clock
+) -> None:
+    runs = running(tmp_path, clock, {**NGRAM4, "prompt_lookup_max": 4})
+    runs.see(seen(4, 99.0))
+    assert runs.pushed("p", NGRAM4, 100.0).state is PushState.CONFIRMED

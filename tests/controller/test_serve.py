@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,20 @@ def write_config(tmp_path: Path, port: int, store_url: str | None = None) -> Pat
 class Serve:
     """``specpilot serve --config FILE`` in its own process."""
 
-    def __init__(self, config: Path, port: int, environ: Mapping[str, str] | None = None) -> None:
-        """``environ``: added to the process's environment (``SPECPILOT_*`` overrides)."""
+    def __init__(
+        self,
+        config: Path,
+        port: int,
+        environ: Mapping[str, str] | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
+        """``environ``: added to the process's environment (``SPECPILOT_*`` overrides);
+        ``args``: more of ``serve``'s options (``--log-format json``)."""
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT), SPECPILOT_API_TOKEN=TOKEN, **(environ or {}))
         self.log = config.with_suffix(f".{time.monotonic_ns()}.log")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "controller.cli", "serve", "--config", str(config), *args],
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             env=env,
