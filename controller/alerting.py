@@ -2,10 +2,15 @@
 ``SpeculationLosing``, raised and resolved by the control loop.
 
 - ``AcceptanceDrift`` (warning): the policy's change detector found a model × class ×
-  proposer's acceptance fell (``ControlPolicy.drift``; a rise is no incident). The
-  alert says acceptance and tokens per verify step before and after, as the evidence
-  showed them (scraped windows or requests alike); it resolves once the recent
-  acceptance is back above the midpoint between before and after.
+  proposer's acceptance fell (``ControlPolicy.drift``; a rise is no incident). Its
+  message gives vLLM's acceptance (accepted over draft tokens, ``controller.acceptance``)
+  before and after the fall, with the counts and the period of each, so that anyone can
+  check them against vLLM's own counters. Evidence that drafted nothing (n-gram finds
+  no match in prose) is no acceptance, so it neither raises nor feeds one. It resolves
+  once vLLM's acceptance over the evidence since it fired (at least
+  ``RECENT_DRAFT_TOKENS`` draft tokens) is back above the midpoint between before and
+  after. While the proposer drafts nothing for the class, it stays as it is: there is
+  no acceptance to say it came back.
 - ``SpeculationLosing`` (critical): a context's running arm speculates and the policy's
   estimate of its speed-up over no speculation stayed below 1 (the break-even,
   acceptance around 0.5 in the seeds' numbers) for ``LOSING_TICKS`` iterations; it
@@ -19,10 +24,12 @@ store's unresolved alerts at start, so a restart neither repeats nor forgets the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from collectors.observations import RequestObservation, WindowObservation
+from controller.acceptance import RECENT_DRAFT_TOKENS, AcceptanceBook, Key
 from controller.contexts import Context
 from controller.notify import context_labels
 from controller.ports import DriftEvent
@@ -34,38 +41,16 @@ DRIFT = "AcceptanceDrift"
 LOSING = "SpeculationLosing"
 LOSING_TICKS = 2
 """Consecutive iterations below break-even before ``SpeculationLosing`` fires."""
-_SLOW, _FAST = 0.05, 0.5
-"""Weights of a new window or request in the long-run and the recent means."""
-_RECOVERY_UPDATES = 3
-"""Evidence seen since firing before a recovery is believed."""
-
-
-@dataclass(slots=True)
-class _Track:
-    """Acceptance and tokens per verify step of one model × class × proposer."""
-
-    slow_acceptance: float | None = None
-    fast_acceptance: float | None = None
-    slow_tokens: float | None = None
-    fast_tokens: float | None = None
-    updates: int = 0
-
-    def add(self, acceptance: float | None, tokens: float | None, weight: float) -> None:
-        slow, fast = 1 - (1 - _SLOW) ** weight, 1 - (1 - _FAST) ** weight
-        if acceptance is not None:
-            self.slow_acceptance = _mix(self.slow_acceptance, acceptance, slow)
-            self.fast_acceptance = _mix(self.fast_acceptance, acceptance, fast)
-        if tokens is not None:
-            self.slow_tokens = _mix(self.slow_tokens, tokens, slow)
-            self.fast_tokens = _mix(self.fast_tokens, tokens, fast)
-        self.updates += 1
 
 
 @dataclass(slots=True)
 class _Firing:
-    before_acceptance: float
-    after_acceptance: float
-    updates_at_fire: int
+    before: float
+    """vLLM's acceptance before the fall."""
+    after: float
+    fired_after: float
+    """The end of the newest evidence when it fired: recovery reads only later evidence."""
+    record: AlertRecord | None = None
 
 
 class Alerts:
@@ -73,8 +58,11 @@ class Alerts:
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
-        self._tracks: dict[tuple[str, str, str], _Track] = {}
+        self.book = AcceptanceBook()
+        """vLLM's acceptance per model × class × proposer, from the loop's evidence."""
         self._drifting: dict[str, _Firing] = {}
+        self._settled: dict[Key, float] = {}
+        """Where a drift resolved: the next fall is sought in the evidence after it."""
         self._losing_ticks: dict[Context, int] = {}
         self._losing: dict[str, str] = {}
         """Firing ``SpeculationLosing`` contexts → the proposer of the arm they run."""
@@ -85,7 +73,8 @@ class Alerts:
             if alert.context is None:
                 continue
             if alert.name == DRIFT:
-                self._drifting.setdefault(alert.context, _Firing(1.0, 0.0, 0))
+                # Before and after are in the message only: recover at 0.5, the break-even.
+                self._drifting.setdefault(alert.context, _Firing(1.0, 0.0, -math.inf, alert))
                 self._gauge(DRIFT, alert.context, 1)
             elif alert.name == LOSING:
                 self._losing[alert.context] = alert.message.split(":", 1)[0].split(" ", 1)[0]
@@ -94,81 +83,89 @@ class Alerts:
     # -- evidence ------------------------------------------------------------------------
 
     def note_window(self, window: WindowObservation) -> None:
-        arm = _arm(window.arm)
-        if arm is None or arm.proposer is None or window.generation_tokens <= 0:
-            return
-        track = self._tracks.setdefault(
-            (window.model, window.workload_class or "", arm.proposer), _Track()
-        )
-        if window.drafts > 0:
-            track.add(window.acceptance_rate, window.mean_acceptance_length, 1.0)
-        else:  # it proposed nothing: every step emitted one token
-            track.add(0.0, 1.0, 1.0)
+        key = self.book.note_window(window)
+        if key is not None:
+            self._publish(key)
 
     def note_request(self, observation: RequestObservation) -> None:
-        arm = _arm(observation.arm)
-        spec = observation.spec
-        if arm is None or arm.proposer is None or spec is None or not spec.num_drafts:
+        key = self.book.note_request(observation)
+        if key is not None:
+            self._publish(key)
+
+    def _publish(self, key: Key) -> None:
+        """``specpilot_acceptance_ratio`` and ``specpilot_drafted_nothing`` of one key."""
+        track = self.book.track(key)
+        if track is None:
             return
-        key = (observation.model or "", observation.workload_class or "", arm.proposer)
-        track = self._tracks.setdefault(key, _Track())
-        # A request is a small window: it moves the means by a tenth of one.
-        track.add(spec.acceptance_rate, spec.mean_acceptance_length, 0.1)
+        labels = {"model_name": key[0], "workload_class": key[1], "proposer": key[2]}
+        recent = track.recent()
+        if recent is not None:
+            self.metrics.acceptance.labels(**labels).set(recent.ratio)
+        self.metrics.drafted_nothing.labels(**labels).set(1 if track.drafted_nothing else 0)
 
     # -- AcceptanceDrift -----------------------------------------------------------------
 
     def drifted(self, event: DriftEvent) -> AlertRecord | None:
-        """The alert to raise for a detected drift (None while one already fires)."""
-        context = drift_context(event.model, event.workload_class, event.proposer)
-        track = self._tracks.get((event.model, event.workload_class, event.proposer), _Track())
-        firing = self._drifting.get(context)
-        before = track.slow_acceptance
-        after = track.fast_acceptance
+        """The alert to raise for a detected fall (None for a rise, or while one fires)."""
         if event.after >= event.before:
-            # A rise is no incident; it resolves a fall's alert (see ``recovered``).
-            if firing is not None:
-                firing.updates_at_fire = -_RECOVERY_UPDATES
+            return None  # a rise is no incident
+        context = drift_context(event.model, event.workload_class, event.proposer)
+        if context in self._drifting:
             return None
-        if firing is not None:
-            return None
-        self._drifting[context] = _Firing(
-            before if before is not None else event.before,
-            after if after is not None else event.after,
-            track.updates,
+        key = (event.model, event.workload_class, event.proposer)
+        track = self.book.track(key)
+        detector = (
+            f"the change detector saw position-0 acceptance per drafted step fall "
+            f"{event.before:.2f} -> {event.after:.2f}"
         )
+        what = f"{event.proposer} acceptance for {event.workload_class} on {event.model}"
+        if track is None or not track.evidence:
+            # No drafted evidence with vLLM's token counts (requests reported without).
+            firing = _Firing(event.before, event.after, -math.inf)
+            message = f"{what} fell; vLLM reported no draft token counts: {detector}"
+        else:
+            fall = track.fall(after=self._settled.get(key, -math.inf))
+            if fall is None:
+                return None  # vLLM's acceptance over the same evidence shows no fall
+            before, after = fall
+            firing = _Firing(before.ratio, after.ratio, track.evidence[-1].until)
+            message = f"{what} fell from {before.describe()} to {after.describe()}; {detector}"
+        record = AlertRecord(event.at, DRIFT, "warning", message, context=context)
+        firing.record = record
+        self._drifting[context] = firing
         self._gauge(DRIFT, context, 1)
-        message = (
-            f"{event.proposer} acceptance for {event.workload_class} on {event.model} "
-            f"moved: acceptance {_pct(before)} -> {_pct(after)}, tokens per verify step "
-            f"{_num(track.slow_tokens)} -> {_num(track.fast_tokens)} (first-position "
-            f"acceptance {event.before:.2f} -> {event.after:.2f})"
-        )
-        return AlertRecord(event.at, DRIFT, "warning", message, context=context)
+        return record
 
-    def recovered(self) -> list[str]:
-        """Contexts of drift alerts whose acceptance came back (each once)."""
+    def recovered(self) -> list[tuple[str, str]]:
+        """(context, message) of each drift alert whose acceptance came back (each once):
+        vLLM's acceptance over the evidence since it fired, at least
+        ``RECENT_DRAFT_TOKENS`` draft tokens of it, at or above the midpoint."""
         done = []
         for context, firing in list(self._drifting.items()):
-            labels = context_labels(context)
-            key = (labels.get("model_name", ""), labels.get("workload_class", ""))
-            track = self._tracks.get((*key, labels.get("proposer", "")))
-            if track is None or track.fast_acceptance is None:
+            key = _drift_key(context)
+            track = self.book.track(key)
+            recent = track.recent(after=firing.fired_after) if track else None
+            if recent is None or recent.draft_tokens < RECENT_DRAFT_TOKENS:
                 continue
-            if track.updates - firing.updates_at_fire < _RECOVERY_UPDATES:
+            midpoint = (firing.before + firing.after) / 2
+            if recent.ratio < midpoint:
                 continue
-            midpoint = (firing.before_acceptance + firing.after_acceptance) / 2
-            if (
-                firing.before_acceptance > firing.after_acceptance
-                and (track.fast_acceptance >= midpoint)
-            ) or (
-                firing.before_acceptance <= firing.after_acceptance
-                and (track.fast_acceptance <= midpoint)
-            ):
-                done.append(context)
-        for context in done:
             del self._drifting[context]
+            self._settled[key] = recent.until
             self._gauge(DRIFT, context, 0)
+            done.append(
+                (
+                    context,
+                    f"{key[2]} acceptance for {key[1]} on {key[0]} is back at "
+                    f"{recent.describe()}, at or above {midpoint:.2f} (it fell from "
+                    f"{firing.before:.2f} to {firing.after:.2f})",
+                )
+            )
         return done
+
+    def firing_drifts(self) -> list[AlertRecord]:
+        """The drift alerts still firing, as raised (to re-announce while they hold)."""
+        return [f.record for f in self._drifting.values() if f.record is not None]
 
     # -- SpeculationLosing ---------------------------------------------------------------
 
@@ -234,6 +231,15 @@ def drift_context(model: str, workload_class: str, proposer: str) -> str:
     return f"model_name={model},workload_class={workload_class},proposer={proposer}"
 
 
+def _drift_key(context: str) -> Key:
+    labels = context_labels(context)
+    return (
+        labels.get("model_name", ""),
+        labels.get("workload_class", ""),
+        labels.get("proposer", ""),
+    )
+
+
 def losing_context(context: Context) -> str:
     return (
         f"model_name={context.model},workload_class={context.workload_class},"
@@ -241,20 +247,8 @@ def losing_context(context: Context) -> str:
     )
 
 
-def _mix(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else old + weight * (new - old)
-
-
 def _arm(text: str | None) -> Arm | None:
     try:
         return Arm.parse(text) if text else None
     except ValueError:
         return None
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"

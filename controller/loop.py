@@ -216,7 +216,9 @@ class ControlLoop:
         # Bookkeeping of the leader.
         self._tpot: dict[tuple[Context, str], _Mean] = {}
         self._pending: dict[Context, _Pending] = {}
-        self._bad_overrides: set[str] = set()
+        self._bad_overrides: dict[str, str | None] = {}
+        """Overrides ``OverrideNotRunnable`` fires for → its context (the override's scope;
+        None for one restored from a store written before alerts had one)."""
         self._snapshot_ts = -math.inf
         self._loaded_snapshot_ts = -math.inf
         self._housekeeping_at = -math.inf
@@ -361,6 +363,10 @@ class ControlLoop:
             lambda: self.store.alerts(limit=1000, unresolved_only=True)
         )
         self.alerts.restore(unresolved)
+        for alert in unresolved:
+            if alert.name == OVERRIDE_NOT_RUNNABLE:
+                # Resolved at the first pass over the overrides unless it still holds.
+                self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
         if self.instances is not None:
             self.instances.restore(unresolved)
         # Resolved by the first push the evidence confirms (every pool is pushed again).
@@ -544,14 +550,18 @@ class ControlLoop:
     async def _raise_drift(self) -> None:
         """Every drift the policy detected becomes an ``AcceptanceDrift`` alert; one whose
         acceptance recovered is resolved."""
+        raised = []
         for event in self.policy.drift():
             alert = self.alerts.drifted(event)
             if alert is not None:
                 log.warning("%s: %s", alert.name, alert.message)
                 await self._record(alert)
-        for context in self.alerts.recovered():
-            log.info("AcceptanceDrift resolved: %s", context)
-            await self._resolve(DRIFT, "warning", context)
+                raised.append(alert)
+        for context, message in self.alerts.recovered():
+            await self._resolve(DRIFT, "warning", context, message)
+        for alert in self.alerts.firing_drifts():
+            if alert not in raised:  # still holds: so the notifier does not let it expire
+                self.notifier.notify(alert)
 
     async def _judge_losing(self, now: float) -> None:
         """``SpeculationLosing`` for contexts whose running arm the policy predicts to
@@ -568,13 +578,16 @@ class ControlLoop:
             if resolved:
                 await self._resolve(LOSING, "critical", losing_context(context))
 
-    async def _resolve(self, name: str, severity: str, context: str) -> None:
+    async def _resolve(
+        self, name: str, severity: str, context: str | None, message: str = "resolved"
+    ) -> None:
         """An alert that stopped firing: resolved in the store, and to whoever hears."""
         now = self.clock()
-        actions.record(Action.ALERT_RESOLVED, f"{name} resolved", alert=name, context=context)
+        text = f"{name} resolved" if message == "resolved" else f"{name} resolved: {message}"
+        actions.record(Action.ALERT_RESOLVED, text, alert=name, context=context)
         await self._write(Store.resolve_alerts, name, context, now)
         self.notifier.notify(
-            AlertRecord(now, name, severity, "resolved", context=context, resolved_at=now)
+            AlertRecord(now, name, severity, message, context=context, resolved_at=now)
         )
 
     async def _collect_and_probe(self, collecting: Awaitable[Collected]) -> Collected:
@@ -725,25 +738,43 @@ class ControlLoop:
     async def _pins(self, overrides: Sequence[OverrideRecord], now: float) -> dict[Context, Pin]:
         """Which contexts operators pinned: the most specific override wins, then the newest."""
         pins: dict[Context, Pin] = {}
+        bad: set[str] = set()
         for override in sorted(overrides, key=lambda o: (o.scope.specificity, o.created_at)):
             contexts = [c for c in self.fleet.contexts if override.scope.matches(c)]
             try:
                 arm = self.fleet.resolve_override(override.config, contexts)
             except SpecConfigError as exc:
                 # Valid when made, but the fleet settings changed since: say so once.
+                bad.add(override.id)
+                scope = override.scope
+                where = f"{scope.model}/{scope.workload_class}/{scope.bucket}"
                 if override.id not in self._bad_overrides:
-                    self._bad_overrides.add(override.id)
+                    self._bad_overrides[override.id] = where
                     alert = AlertRecord(
                         now,
                         OVERRIDE_NOT_RUNNABLE,
                         "warning",
                         f"override {override.id} ({override.reason}) is ignored: {exc}",
+                        context=where,
                     )
                     await self._record(alert)
                 continue
             for context in contexts:
                 pins[context] = Pin(arm, override)
+        await self._resolve_runnable(bad)
         return pins
+
+    async def _resolve_runnable(self, bad: set[str]) -> None:
+        """``OverrideNotRunnable`` resolves once its override is no longer in force
+        (expired or deleted) or runs again; an alert shared by overrides of the same
+        scope, once none of them is left."""
+        cleared = {i: c for i, c in self._bad_overrides.items() if i not in bad}
+        for override_id in cleared:
+            del self._bad_overrides[override_id]
+        for context in set(cleared.values()):
+            if context not in self._bad_overrides.values():
+                message = "its override expired, was deleted or runs again"
+                await self._resolve(OVERRIDE_NOT_RUNNABLE, "warning", context, message)
 
     def _tally_routes(self, observations: Sequence[RequestObservation]) -> None:
         """Count where each context's requests went (routing mode): on its arm, or on
@@ -769,9 +800,10 @@ class ControlLoop:
 
     def _publish_contexts(self) -> None:
         """``specpilot_context_*``: each context's arm (what the gateway routes it to in
-        routing mode), the share of its requests served elsewhere, and the acceptance and
-        speed-up the policy estimates for its arm now (no series while it has none: an
-        incumbent without evidence, or another arm's figure, would be a false one)."""
+        routing mode), the share of its requests served elsewhere, vLLM's acceptance of
+        its arm (``controller.acceptance``) and the speed-up the policy estimates for it
+        now (no series while there is none: an incumbent without evidence, or another
+        arm's figure, would be a false one)."""
         metrics = self.metrics
         for context in self.fleet.contexts:
             arm = self.running_arm(context)
@@ -788,13 +820,11 @@ class ControlLoop:
                 metrics.explored.labels(*labels).set(explored)
             else:
                 _remove(metrics.explored, *labels)
-            acceptance = next(
-                (e.acceptance for e in self.policy.estimates(context) if e.arm == arm), None
-            )
-            if acceptance is not None:
-                metrics.estimated_acceptance.labels(*labels).set(acceptance)
+            measured = self.alerts.book.of_arm(context.model, context.workload_class, arm)
+            if measured.acceptance is not None:
+                metrics.context_acceptance.labels(*labels).set(measured.acceptance.ratio)
             else:
-                _remove(metrics.estimated_acceptance, *labels)
+                _remove(metrics.context_acceptance, *labels)
             seen_arm, speedup = self._running_speedup.get(context, (arm, None))
             if seen_arm == arm and speedup is not None:
                 metrics.predicted_speedup.labels(*labels).set(speedup)

@@ -45,8 +45,10 @@ class ArmEstimate:
     (an interval the policy considers likely, e.g. 90 %)."""
 
     arm: str
-    acceptance: float | None
-    acceptance_interval: tuple[float, float] | None
+    first_position_acceptance: float | None
+    """The policy's model of position-0 acceptance per decode step (drafted or not): not
+    vLLM's acceptance, which the loop measures itself (``controller.acceptance``)."""
+    first_position_acceptance_interval: tuple[float, float] | None
     speedup: float | None
     speedup_interval: tuple[float, float] | None
     observations: int
@@ -61,7 +63,8 @@ class DriftEvent:
     workload_class: str
     proposer: str
     before: float
-    """First-position acceptance before (the detector's baseline), in [0, 1]."""
+    """vLLM's position-0 acceptance per drafted step before (the detector's baseline),
+    in [0, 1]; steps that drafted nothing are not in it."""
     after: float
 
 

@@ -87,10 +87,26 @@ class ServiceMetrics:
             CONTEXT_LABELS,
             registry=registry,
         )
-        self.estimated_acceptance = Gauge(
-            "specpilot_context_estimated_acceptance_ratio",
-            "Draft acceptance rate the policy estimates for the context's arm (0-1).",
+        self.context_acceptance = Gauge(
+            "specpilot_context_acceptance_ratio",
+            "vLLM's acceptance (accepted over draft tokens) of the context's arm for its "
+            "model and class, over its newest evidence of 500 draft tokens or more.",
             CONTEXT_LABELS,
+            registry=registry,
+        )
+        self.acceptance = Gauge(
+            "specpilot_acceptance_ratio",
+            "vLLM's acceptance (accepted over draft tokens) of a model, class and proposer, "
+            "over its newest evidence of 500 draft tokens or more (what AcceptanceDrift "
+            "resolves on).",
+            ["model_name", "workload_class", "proposer"],
+            registry=registry,
+        )
+        self.drafted_nothing = Gauge(
+            "specpilot_drafted_nothing",
+            "1 while the newest window or request of a model, class and proposer drafted "
+            "nothing (e.g. n-gram found no match): no acceptance to measure, not 0.",
+            ["model_name", "workload_class", "proposer"],
             registry=registry,
         )
         self.context_arm = Gauge(

@@ -182,8 +182,8 @@ class BanditControlPolicy:
             estimates.append(
                 ArmEstimate(
                     arm=str(arm),
-                    acceptance=seen["first_position_acceptance"] if seen else None,
-                    acceptance_interval=None,
+                    first_position_acceptance=seen["first_position_acceptance"] if seen else None,
+                    first_position_acceptance_interval=None,
                     speedup=committed["predicted_speedup"] if is_committed and committed else None,
                     speedup_interval=tuple(interval) if interval else None,
                     observations=int(seen["requests"]) if seen else 0,

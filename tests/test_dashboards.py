@@ -214,7 +214,7 @@ def test_every_dashboard_query_runs_on_real_series(vllm_page: str, tmp_path: Pat
     # Labelled series exist once a child does.
     context = {"model_name": "m", "workload_class": "code", "bucket": "1"}
     metrics.predicted_speedup.labels(**context).set(1.4)
-    metrics.estimated_acceptance.labels(**context).set(0.8)
+    metrics.context_acceptance.labels(**context).set(0.8)
     metrics.decisions.labels(actor="policy").inc()
     metrics.loop_duration.observe(0.01)
     port = free_port()
@@ -368,7 +368,7 @@ async def run_and_check(runtime: Runtime, settings: Settings, tmp_path: Path) ->
             while True:
                 await run_streams(gateway, count=2, requests_each=6)
                 if series(registry, "specpilot_context_predicted_speedup") and series(
-                    registry, "specpilot_context_estimated_acceptance_ratio"
+                    registry, "specpilot_context_acceptance_ratio"
                 ):
                     break
                 assert time.monotonic() < deadline, "specpilot never estimated its arm"

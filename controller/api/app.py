@@ -20,7 +20,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from controller.acceptance import ArmAcceptance
 from controller.api.schemas import (
+    AcceptanceEvidenceOut,
     AlertListOut,
     AlertOut,
     ContextPolicyOut,
@@ -106,14 +108,27 @@ async def store_call(call: Callable[[], Any]) -> Any:
         raise
 
 
-def _estimate(estimate: ArmEstimate) -> EstimateOut:
+def _estimate(estimate: ArmEstimate, measured: ArmAcceptance) -> EstimateOut:
     def interval(pair: tuple[float, float] | None) -> Interval | None:
         return None if pair is None else Interval(low=pair[0], high=pair[1])
 
+    seen = measured.acceptance
     return EstimateOut(
         arm=estimate.arm,
-        acceptance=estimate.acceptance,
-        acceptance_interval=interval(estimate.acceptance_interval),
+        acceptance=seen.ratio if seen is not None else None,
+        acceptance_evidence=None
+        if seen is None
+        else AcceptanceEvidenceOut(
+            accepted_tokens=seen.accepted,
+            draft_tokens=seen.draft_tokens,
+            since=seen.since,
+            until=seen.until,
+        ),
+        drafted_nothing=measured.drafted_nothing,
+        estimated_first_position_acceptance=estimate.first_position_acceptance,
+        estimated_first_position_acceptance_interval=interval(
+            estimate.first_position_acceptance_interval
+        ),
         speedup=estimate.speedup,
         speedup_interval=interval(estimate.speedup_interval),
         observations=estimate.observations,
@@ -228,6 +243,7 @@ def build_router() -> APIRouter:
     @v1.get("/policy", response_model=PolicyOut, response_model_by_alias=True)
     async def policy(service: ServiceDep) -> PolicyOut:
         loop, now = service.loop, service.clock()
+        book = loop.alerts.book
         pins: dict[Any, OverrideRecord] = {}
         for override in sorted(loop.overrides, key=lambda o: (o.scope.specificity, o.created_at)):
             if override.active(now):
@@ -238,7 +254,10 @@ def build_router() -> APIRouter:
         for context in service.fleet.contexts:
             arm = loop.running_arm(context)
             decided = loop.arms.get(context) or service.fleet.running_arm(context)
-            estimates = [_estimate(e) for e in service.policy.estimates(context)]
+            estimates = [
+                _estimate(e, book.of_arm(context.model, context.workload_class, e.arm))
+                for e in service.policy.estimates(context)
+            ]
             changed = loop.changed_at.get(context)
             share = loop.routes.get(context) if loop.is_leader and service.fleet.routing else None
             if share is None and loop.is_leader and service.fleet.routing:

@@ -103,10 +103,32 @@ class Interval(BaseModel):
     high: float
 
 
+class AcceptanceEvidenceOut(BaseModel):
+    """The counts vLLM reported over the evidence an acceptance was read from."""
+
+    accepted_tokens: float
+    draft_tokens: float
+    since: float
+    """Start of the first window or request counted (seconds since the epoch)."""
+    until: float
+    """End of the last one counted."""
+
+
 class EstimateOut(BaseModel):
     arm: str
     acceptance: float | None
-    acceptance_interval: Interval | None
+    """vLLM's acceptance of this arm for the context's model and class: accepted draft
+    tokens over draft tokens, over its newest evidence of at least 500 draft tokens
+    (``acceptance_evidence``). Null for off and while it has no drafted evidence."""
+    acceptance_evidence: AcceptanceEvidenceOut | None = None
+    drafted_nothing: bool | None = None
+    """True while the newest evidence of this arm drafted nothing (n-gram found no
+    match): there is no acceptance to measure, which is not acceptance 0. Null where
+    the newest evidence of the class and proposer ran another arm, or there is none."""
+    estimated_first_position_acceptance: float | None = None
+    """The policy's model, not vLLM's figure: the share of decode steps (drafted or not)
+    whose first draft token it expects accepted, which its speed-up estimate rests on."""
+    estimated_first_position_acceptance_interval: Interval | None = None
     speedup: float | None
     speedup_interval: Interval | None
     observations: int

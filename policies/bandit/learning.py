@@ -70,6 +70,10 @@ class Learning:
         self.proposers = tuple(sorted(gammas))
         self.acceptance: dict[tuple[str, str, str], AcceptanceModel] = {}
         self.detectors: dict[tuple[str, str, str], ChangeDetector] = {}
+        """Per model × class × proposer: position-0 acceptance per chance to draft."""
+        self.drift_detectors: dict[tuple[str, str, str], ChangeDetector] = {}
+        """Per model × class × proposer: position-0 acceptance per drafted step (the
+        drifts reported as ``change_events``)."""
         self.cost: dict[str, StepCostModel] = {}
         self.trackers: dict[tuple[str, str], BatchTracker] = {}
         """Per (model, engine): the batch composition the policy assigned."""
@@ -117,7 +121,13 @@ class Learning:
             taken = steps_taken(spec, observation.output_tokens)
             steps = spec.num_drafts if taken is None else max(spec.num_drafts, taken - 1)
             if self.learn_acceptance(
-                model, cls, arm.proposer, spec.accepted_per_position, steps, now
+                model,
+                cls,
+                arm.proposer,
+                spec.accepted_per_position,
+                steps,
+                now,
+                drafted=spec.num_drafts,
             ):
                 changed = (model, cls)
         return moved, changed
@@ -173,6 +183,7 @@ class Learning:
                 chances,
                 now,
                 requests=weight,
+                drafted=window.drafts,
             )
         ):
             changed = (model, cls)
@@ -365,29 +376,50 @@ class Learning:
         now: float,
         *,
         requests: float = 1.0,
+        drafted: float | None = None,
     ) -> bool:
-        """Learn acceptance; True where the change detector fired (the caller re-plans
-        the model's buckets and lets the class's commitments move)."""
+        """Learn acceptance; True where a change detector fired (the caller re-plans
+        the model's buckets and lets the class's commitments move).
+
+        ``num_drafts`` counts the chances to draft (steps that drafted nothing too);
+        ``drafted`` the steps that did (vLLM's ``num_drafts``; ``num_drafts`` when not
+        given). Two detectors read position 0:
+
+        - per chance (``detectors``): what the speed-up model rests on, so when it
+          moves, drafting or acceptance, what was learned is dropped and relearned;
+        - per drafted step (``drift_detectors``): vLLM's position-0 acceptance, the
+          drift. Evidence that drafted nothing (n-gram finds no match in prose) says
+          nothing about acceptance: it neither feeds nor fires this one, so a fall of
+          drafting is never reported as a fall of acceptance (``change_events``).
+        """
         key = (model, cls, proposer)
         acceptance = self.acceptance_model(key)
+        drafted = num_drafts if drafted is None else drafted
+        drifted = False
+        if drafted > 0 and per_position:
+            drift = self.drift_detectors.setdefault(key, ChangeDetector())
+            first_drafted = min(1.0, per_position[0] / drafted)
+            drifted = drift.update(first_drafted)
+            if drifted:
+                self.change_events.append(
+                    ChangeEvent(
+                        now,
+                        model,
+                        cls,
+                        proposer,
+                        float(drift.baseline or 0.0),
+                        float(drift.recent or first_drafted),
+                    )
+                )
+                drift.reset()
         detector = self.detectors.setdefault(key, ChangeDetector())
         first = per_position[0] / num_drafts if per_position else 0.0
-        changed = detector.update(first)
-        if changed:
-            self.change_events.append(
-                ChangeEvent(
-                    now,
-                    model,
-                    cls,
-                    proposer,
-                    float(detector.baseline or 0.0),
-                    float(detector.recent or first),
-                )
-            )
+        moved = detector.update(first)
+        if moved or drifted:
             acceptance.reset()
             detector.reset()
         acceptance.update(per_position, num_drafts, now, requests=requests)
-        return changed
+        return moved or drifted
 
     # -- persistence ---------------------------------------------------------------
 
@@ -398,6 +430,9 @@ class Learning:
         return {
             "acceptance": [[list(k), m.to_state()] for k, m in sorted(self.acceptance.items())],
             "detectors": [[list(k), d.to_state()] for k, d in sorted(self.detectors.items())],
+            "drift_detectors": [
+                [list(k), d.to_state()] for k, d in sorted(self.drift_detectors.items())
+            ],
             "cost": {m: c.to_state() for m, c in sorted(self.cost.items())},
             "in_flight": self._in_flight_state(),
             "token_shares": {m: dict(s) for m, s in sorted(self.token_shares.items())},
@@ -429,6 +464,9 @@ class Learning:
         kept = dict(state)
         kept["acceptance"] = [[k, v] for k, v in state["acceptance"] if k[2] in proposers]
         kept["detectors"] = [[k, v] for k, v in state["detectors"] if k[2] in proposers]
+        kept["drift_detectors"] = [
+            [k, v] for k, v in state.get("drift_detectors", []) if k[2] in proposers
+        ]
         kept["cost"] = {
             m: c for m, c in state["cost"].items() if tuple(c.get("proposers", ())) == fit.proposers
         }
@@ -448,6 +486,11 @@ class Learning:
         self.detectors = {}
         for key, value in state["detectors"]:
             detector = self.detectors[(key[0], key[1], key[2])] = ChangeDetector()
+            detector.load_state(value)
+        # States saved before drifts were read per drafted step start those afresh.
+        self.drift_detectors = {}
+        for key, value in state.get("drift_detectors", []):
+            detector = self.drift_detectors[(key[0], key[1], key[2])] = ChangeDetector()
             detector.load_state(value)
         self.cost = {}
         for model_name, value in state["cost"].items():

@@ -244,7 +244,8 @@ def test_api_audit_log_stats_and_metrics_agree_with_where_requests_went(tmp_path
             served[(sample.labels["workload_class"], sample.labels["arm"])] += int(sample.value)
     tapped = Counter((r.workload_class or "", r.arm or "") for r in requests)
     assert served == tapped
-    acceptance = families["specpilot_context_estimated_acceptance_ratio"].samples
+    # vLLM's acceptance of each context's arm, as /v1/policy shows it.
+    acceptance = families["specpilot_context_acceptance_ratio"].samples
     speculating = {name for name, row in policy.items() if row["arm"] != "off"}
     assert {
         (s.labels["model_name"], s.labels["workload_class"], s.labels["bucket"]) for s in acceptance
