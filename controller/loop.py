@@ -245,6 +245,10 @@ class ControlLoop:
         """The overrides whose coming into force the log has (see ``_log_overrides``)."""
         self._not_applied: set[str] = set()
         """Pools whose ``SpecpilotPushNotApplied`` fires."""
+        self._actuators_failing: set[str] = set()
+        """Contexts (``actuator=NAME``) whose ``ActuatorFailed`` fires."""
+        self._exactness_refused: set[str] = set()
+        """Pools (``pool=NAME``) whose refused push raised ``ExactnessBroken``."""
         self.instances: InstanceHealth | None = None
         """Probes the pool instances each iteration this replica collects
         (``controller.instances``); None: not probed."""
@@ -369,12 +373,17 @@ class ControlLoop:
                 self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
         if self.instances is not None:
             self.instances.restore(unresolved)
-        # Resolved by the first push the evidence confirms (every pool is pushed again).
+        # Resolved by the first push that succeeds or that the evidence confirms (every
+        # pool is pushed again at start).
         self._not_applied = {
             a.context.removeprefix("pool=")
             for a in unresolved
             if a.name == PUSH_NOT_APPLIED and a.context is not None
         }
+        self._actuators_failing = {a.context or "" for a in unresolved if a.name == ACTUATOR_FAILED}
+        self._exactness_refused = {
+            a.context for a in unresolved if a.name == EXACTNESS_BROKEN and a.context
+        } - self._exactness_firing
         self.metrics.frozen.set(1 if self.frozen else 0)
         self._publish_routes()
 
@@ -1057,6 +1066,7 @@ class ControlLoop:
         try:
             await actuator.apply(configs)
             self.metrics.actuations.labels(actuator=actuator.name, outcome=PUSH_OK).inc()
+            await self._push_succeeded(actuator, configs)
             for config in configs:
                 actions.record(
                     Action.PUSH,
@@ -1087,10 +1097,27 @@ class ControlLoop:
             now = self.clock()
             for broken in exactness_failures(exc):
                 await self._record(broken.alert(now))
-            await self._record(
-                AlertRecord(now, ACTUATOR_FAILED, "critical", f"{actuator.name}: {exc}")
-            )
+                self._exactness_refused.add(broken.context)
+            context = f"actuator={actuator.name}"
+            if context not in self._actuators_failing:
+                self._actuators_failing.add(context)
+                message = f"{actuator.name}: {exc}"
+                await self._record(AlertRecord(now, ACTUATOR_FAILED, "critical", message, context))
             return False
+
+    async def _push_succeeded(self, actuator: Actuator, configs: Sequence[PoolConfig]) -> None:
+        """An actuator that pushed resolves its ``ActuatorFailed``; a pool it pushed to
+        (the managed actuator canaries exactness first) resolves the ``ExactnessBroken``
+        a refused push raised: what the pool serves now passed."""
+        context = f"actuator={actuator.name}"
+        if context in self._actuators_failing:
+            self._actuators_failing.discard(context)
+            await self._resolve(ACTUATOR_FAILED, "critical", context)
+        for config in configs:
+            pool = f"pool={config.pool}"
+            if pool in self._exactness_refused:
+                self._exactness_refused.discard(pool)
+                await self._resolve(EXACTNESS_BROKEN, "critical", pool)
 
     async def check_exactness(self, now: float) -> None:
         """Every ``canary.interval_s``, the managed pools' greedy output against their

@@ -35,12 +35,28 @@ def test_rolled_back_rollout_is_recorded_as_an_alert(tmp_path: Path) -> None:
                 if context.workload_class == "code":
                     policy.script[context] = "ngram:3"
             await service.loop.tick()
+            alerts = service.store.alerts()
+            assert [(a.name, a.severity) for a in alerts] == [("ActuatorFailed", "critical")]
+            assert "managed: pool 'p': canary failed" in alerts[0].message
+            assert "old instance kept serving" in alerts[0].message
+            assert alerts[0].context == "actuator=managed" and alerts[0].resolved_at is None
+            assert managed.running() == {"p": None} and managed.urls("p") == ("http://i1",)
+            await service.loop.tick()  # failing still (retried): one alert, not one a push
+            assert len(service.store.alerts()) == 1
+            # The operator fixes what broke the canary: the next push resolves it.
+            launcher.behaviour.pop("ngram")
+            for context in service.fleet.contexts:
+                if context.workload_class == "code":
+                    policy.script[context] = "ngram:2"
+            await service.loop.tick()
+            for _ in range(100):  # the push runs beside the loop; wait for its end
+                [alert] = service.store.alerts()
+                if alert.resolved_at is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert managed.running()["p"] is not None
+            assert alert.resolved_at is not None
 
         asyncio.run(scenario())
-        alerts = service.store.alerts()
-        assert [(a.name, a.severity) for a in alerts] == [("ActuatorFailed", "critical")]
-        assert "managed: pool 'p': canary failed" in alerts[0].message
-        assert "old instance kept serving" in alerts[0].message
-        assert managed.running() == {"p": None} and managed.urls("p") == ("http://i1",)
     finally:
         service.close()

@@ -176,15 +176,27 @@ def test_the_loop_records_exactness_broken_on_a_rolled_back_push(tmp_path: Path)
                     policy.script[context] = "ngram:3"
             clock.now += 1
             await service.loop.tick()
+            alerts = service.store.alerts()
+            names = sorted((a.name, a.severity) for a in alerts)
+            assert names == [("ActuatorFailed", "critical"), ("ExactnessBroken", "critical")]
+            (broken,) = [a for a in alerts if a.name == "ExactnessBroken"]
+            assert broken.context == "pool=p" and "pool 'p' running" in broken.message
+            assert '"method":"ngram"' in broken.message and "token 7 of 32" in broken.message
+            assert managed.running() == {"p": None}  # rolled back
+            # A config that passes its canary reaches the pool: both resolve.
+            launcher.behaviour.pop("ngram")
+            for context in service.fleet.contexts:
+                if context.workload_class == "code":
+                    policy.script[context] = "ngram:2"
+            clock.now += 1
+            await service.loop.tick()
+            for _ in range(100):  # the push runs beside the loop; wait for its end
+                if not service.store.alerts(unresolved_only=True):
+                    break
+                await asyncio.sleep(0.05)
+            assert service.store.alerts(unresolved_only=True) == []
 
         asyncio.run(scenario())
-        alerts = service.store.alerts()
-        names = sorted((a.name, a.severity) for a in alerts)
-        assert names == [("ActuatorFailed", "critical"), ("ExactnessBroken", "critical")]
-        (broken,) = [a for a in alerts if a.name == "ExactnessBroken"]
-        assert broken.context == "pool=p" and "pool 'p' running" in broken.message
-        assert '"method":"ngram"' in broken.message and "token 7 of 32" in broken.message
-        assert managed.running() == {"p": None}  # rolled back
     finally:
         service.close()
 
