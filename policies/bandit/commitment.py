@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from policies.arms import OFF, Arm, Context
-from policies.bandit.config import ArmFit, BanditConfig, _quantile
+from policies.bandit.config import ArmFit, BanditConfig, Prediction, _quantile
 from policies.bandit.learning import Learning
 from policies.fleet import (
     CostDraws,
@@ -30,6 +30,8 @@ class _Commitment:
     reason: str
     speedup: float | None = None
     interval: tuple[float, float] | None = None
+    until: float | None = None
+    """A push-mode probe holds until then (``policies.bandit.offprobe``)."""
 
 
 class Commitments:
@@ -47,6 +49,17 @@ class Commitments:
             return False
         self.commitments[context] = _Commitment(running, -math.inf, "incumbent")
         return True
+
+    def probe(self, context: Context, arm: Arm, prediction: Prediction | None, now: float) -> None:
+        """Run ``arm`` for ``context`` for ``push_probe_s`` whatever the plans say."""
+        self.commitments[context] = _Commitment(
+            arm,
+            now,
+            "probe",
+            prediction.speedup if prediction else None,
+            prediction.interval if prediction else None,
+            now + self.config.push_probe_s,
+        )
 
     def release(self, model: str, workload_class: str | None = None) -> None:
         """Let the model's (or one class's) commitments move at once, past their dwell."""
@@ -79,6 +92,14 @@ class Commitments:
         """
         candidate = guarded[cls]
         current = self.commitments.get(context)
+        if current is not None and current.until is not None:
+            if now < current.until:
+                return  # a probe runs its time: its evidence is what it is for
+            current.until = None
+            if not self.learning.mature(context, current.arm):
+                # It gathered too little to judge by: back to off, as before it.
+                self.commitments[context] = _Commitment(OFF, now, "learning")
+                return
         if current is None:
             self.commitments[context] = _Commitment(
                 candidate, now, "guard_off" if cls in unsafe else "best"
@@ -163,6 +184,7 @@ class Commitments:
                     "reason": m.reason,
                     "speedup": m.speedup,
                     "interval": list(m.interval) if m.interval else None,
+                    "until": m.until,
                 },
             ]
             for c, m in sorted(self.commitments.items())
@@ -177,6 +199,7 @@ class Commitments:
                 m["reason"],
                 m["speedup"],
                 (m["interval"][0], m["interval"][1]) if m["interval"] else None,
+                m.get("until"),
             )
             for c, m in state
             if fit.same or fit.valid(m["arm"])

@@ -131,6 +131,20 @@ class BanditConfig:
     evidence of its own, moves only to an arm whose class × proposer acceptance has
     evidence (or off), and only when the move surely pays: the ``guard_quantile`` of
     the bucket's goodput ratio, new over old, over posterior draws, is at least 1."""
+    push_probe_s: float = 300.0
+    """Push mode (``moves_need_evidence``): how long a context on off runs a probe of
+    speculation (its most promising proposer's smallest γ) before the evidence it
+    gathered decides (``policies.bandit.offprobe``): minutes, since each push restarts
+    or rolls its pool and the evidence arrives in scrape windows."""
+    push_probe_every_s: float = 1800.0
+    """Push mode: a context on off probes at most this often (one evidence half-life by
+    default)…"""
+    push_probe_budget: float = 0.02
+    """…and as much less often as keeps its probes' predicted cost within this share of
+    its goodput on average."""
+    push_probe_max_cost: float = 0.5
+    """Push mode: a probe predicted to cost more than this share of its context's
+    goodput while it runs never starts."""
     draft_cost_prior: float | None = None
     """Drafting cost per draft position as a share of a plain step, the prior of
     :class:`StepCostModel` (None: none); see ``DRAFT_COST_PRIOR`` for where it is
@@ -163,19 +177,30 @@ class BanditConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Prediction:
+    """What one arm would do for a class in a bucket: its per-token speed-up over the
+    class running without speculation (off is 1 by definition), at the bucket's
+    concurrency with the other classes as served; the posterior mean and its 10–90 %
+    range over the plan's draws of acceptance and step cost."""
+
+    speedup: float
+    interval: tuple[float, float]
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """An arm for a context and why.
 
     ``predicted_speedup`` is the class's per-token speed-up over no speculation at the
-    bucket's concurrency; ``interval`` its posterior 10–90 % range. ``explored`` is
+    bucket's concurrency; ``interval`` its posterior 10–90 % range (see
+    :class:`Prediction`). ``explored`` is
     True when this request is served by an arm other than the committed one.
     """
 
     context: Context
     arm: Arm
     reason: str
-    """``override``, ``best``, ``guard_off``, ``dwell``, ``hysteresis``, ``learning``,
-    ``explore`` or ``probe``."""
+    """A word of the vocabulary (:class:`policies.reasons.Reason`)."""
     predicted_speedup: float | None = None
     interval: tuple[float, float] | None = None
     explored: bool = False

@@ -12,7 +12,7 @@ import numpy as np
 
 from policies.arms import OFF, Arm, Context
 from policies.bandit.commitment import Commitments
-from policies.bandit.config import ArmFit, BanditConfig, _quantile
+from policies.bandit.config import ArmFit, BanditConfig, Prediction, _quantile
 from policies.bandit.exploration import Exploration
 from policies.bandit.learning import Learning, Moved
 from policies.estimators import KNEE_CELL, AcceptanceModel
@@ -51,6 +51,9 @@ class _Plan:
     probe_costs: dict[tuple[str, str], float] = field(default_factory=dict)
     """Per class × proposer it does not serve with: what a probe costs in ``batch``
     (``Exploration.probe_cost``). Not saved, like ``worlds``."""
+    predictions: dict[str, dict[Arm, Prediction]] = field(default_factory=dict)
+    """Per class: what each arm would do for it, the others as served (see
+    :meth:`Planner.predict`). Not saved, like ``worlds``."""
 
 
 class Planner:
@@ -216,15 +219,11 @@ class Planner:
         served = {c: self.commitments.commitments[Context(model, c, bucket)].arm for c in classes}
         plan.batch = steady_batch(concurrency, shares, mean_tokens, served, mean_cost, topology)
         self.exploration.price_probes(model, plan, served)
-        _, step = steady_state_draws(concurrency, shares, drawn_e, served, worlds, topology)
-        _, plain = steady_state_draws(concurrency, shares, drawn_e, {}, worlds, topology)
+        plan.predictions = self.predict(concurrency, shares, drawn_e, served, worlds)
         for cls, arm in served.items():
-            # Per-token speed-up of the class over everything off at this concurrency.
-            tokens = drawn_e[(cls, arm)] if arm.proposer is not None else 1.0
-            values = tokens * plain[cls] / step[cls]
             commitment = self.commitments.commitments[Context(model, cls, bucket)]
-            commitment.speedup = float(np.mean(values))
-            commitment.interval = (_quantile(values, 0.1), _quantile(values, 0.9))
+            commitment.speedup = plan.predictions[cls][arm].speedup
+            commitment.interval = plan.predictions[cls][arm].interval
         self.exploration.start_trial(
             model,
             bucket,
@@ -237,6 +236,38 @@ class Planner:
             cost_model,
             self.guard,
         )
+
+    def predict(
+        self,
+        concurrency: float,
+        shares: Mapping[str, float],
+        drawn_e: Mapping[tuple[str, Arm], FloatArray],
+        served: Mapping[str, Arm],
+        worlds: CostDraws,
+    ) -> dict[str, dict[Arm, Prediction]]:
+        """Per class, what each arm would do for it while the other classes run what
+        they are served: the class's tokens per second on that arm over its tokens per
+        second off, per posterior draw (so off is exactly 1, and an arm that slows the
+        batch more than its accepted tokens gain is below 1)."""
+        topology = self.config.topology
+        out: dict[str, dict[Arm, Prediction]] = {}
+        for cls in sorted(served):
+            _, off_step = steady_state_draws(
+                concurrency, shares, drawn_e, {**served, cls: OFF}, worlds, topology
+            )
+            arms: dict[Arm, Prediction] = {OFF: Prediction(1.0, (1.0, 1.0))}
+            for arm in self.arms:
+                if arm.proposer is None:
+                    continue
+                _, step = steady_state_draws(
+                    concurrency, shares, drawn_e, {**served, cls: arm}, worlds, topology
+                )
+                values = drawn_e[(cls, arm)] * off_step[cls] / step[cls]
+                arms[arm] = Prediction(
+                    float(np.mean(values)), (_quantile(values, 0.1), _quantile(values, 0.9))
+                )
+            out[cls] = arms
+        return out
 
     def guard(
         self,

@@ -21,10 +21,12 @@ from policies.bandit.config import (
     Decision,
     Override,
     Overrides,
+    Prediction,
     Route,
 )
 from policies.bandit.exploration import Exploration
 from policies.bandit.learning import Learning, Moved
+from policies.bandit.offprobe import OffProbes
 from policies.bandit.planning import Planner
 from policies.bandit.state import STATE_VERSION, migrate
 from policies.base import Clock
@@ -57,6 +59,7 @@ class SpecPilotPolicy:
         self.learning = Learning(self.config, self.gammas)
         self.exploration = Exploration(self.config, self.arms, self.gammas, self.learning)
         self.commitment = Commitments(self.config, self.learning)
+        self.off_probes = OffProbes(self.config, self.gammas)
         self.planner = Planner(
             self.config, self.arms, self.gammas, self.learning, self.exploration, self.commitment
         )
@@ -173,9 +176,25 @@ class SpecPilotPolicy:
         commitment = self.commitment.commitments.get(context)
         if commitment is None:
             return Decision(context, OFF, "learning")
+        if self.config.moves_need_evidence:
+            plan = self.planner.plans.get((context.model, context.bucket))
+            probe = self.off_probes.due(context, commitment, plan, self.clock())
+            if probe is not None:
+                self.commitment.probe(context, *probe, self.clock())
+                self._publish(context.model, context.bucket)
+                commitment = self.commitment.commitments[context]
         return Decision(
             context, commitment.arm, commitment.reason, commitment.speedup, commitment.interval
         )
+
+    def predictions(self, context: Context) -> dict[Arm, Prediction]:
+        """What each arm would do for ``context`` by its bucket's latest plan (see
+        :class:`Prediction`); empty until a plan priced the bucket (a restored plan
+        prices nothing until it is made again)."""
+        plan = self.planner.plans.get((context.model, context.bucket))
+        if plan is None:
+            return {}
+        return dict(plan.predictions.get(context.workload_class, {}))
 
     def observe(self, observation: RequestObservation) -> None:
         """Learn from one finished request (acceptance, cost, mix, drift), then re-plan
@@ -421,6 +440,7 @@ class SpecPilotPolicy:
             "planning": self.planner.to_state(),
             "exploration": self.exploration.to_state(),
             "commitment": self.commitment.to_state(),
+            "off_probes": self.off_probes.to_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -438,6 +458,7 @@ class SpecPilotPolicy:
         self.planner.load_state(state["planning"], fit)
         self.commitment.load_state(state["commitment"], fit)
         self.exploration.load_state(state["exploration"], fit)
+        self.off_probes.load_state(state["off_probes"], fit)
         self._overrides.load_state(state["overrides"], fit)
         self._routes = {}
         self._trial_ended = set()

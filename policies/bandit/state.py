@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-STATE_VERSION = 3
-"""3: exploration keeps per-context credits towards its shares (``credits``) instead of
+STATE_VERSION = 4
+"""4: push mode's probes back from off (``off_probes``, a commitment's ``until``);
+3: exploration keeps per-context credits towards its shares (``credits``) instead of
 per-class probe budgets and last-served counts; 2: one entry per part (``learning``,
 ``planning``, ``exploration``, ``commitment``, ``overrides``); 1: every field at the
 top level."""
@@ -23,7 +24,9 @@ def migrate(state: Mapping[str, Any]) -> dict[str, Any]:
         # route explores: the credits towards them start afresh.
         dropped = ("last_served", "probe_budget")
         exploration = {k: v for k, v in state["exploration"].items() if k not in dropped}
-        return {**state, "version": STATE_VERSION, "exploration": {**exploration, "credits": []}}
+        state, version = {**state, "exploration": {**exploration, "credits": []}}, 3
+    if version == 3:
+        return {**state, "version": STATE_VERSION, "off_probes": {"next_at": []}}
     if version == STATE_VERSION:
         return dict(state)
     raise ValueError(f"unsupported policy state version {version!r}")
