@@ -11,10 +11,11 @@
   ``RECENT_DRAFT_TOKENS`` draft tokens) is back above the midpoint between before and
   after. While the proposer drafts nothing for the class, it stays as it is: there is
   no acceptance to say it came back.
-- ``SpeculationLosing`` (critical): a context's running arm speculates and the policy's
-  estimate of its speed-up over no speculation stayed below 1 (the break-even,
-  acceptance around 0.5 in the seeds' numbers) for ``LOSING_TICKS`` iterations; it
-  resolves when the estimate is back at 1 or more, or the context stops speculating.
+- ``SpeculationLosing`` (critical): a context's running arm speculates and the policy is
+  sure it loses against no speculation: the top of its predicted speed-up's 10–90 %
+  interval stayed below 1 for ``LOSING_TICKS`` iterations; it resolves when the
+  predicted speed-up (the mean) is back at 1 or more, the policy has no prediction for
+  it, or the context stops speculating.
 
 Firing alerts are keyed by name and ``context``, written as the labels that route them
 (``model_name=…,workload_class=…,proposer=…``; ``bucket=…`` for ``SpeculationLosing``,
@@ -33,7 +34,7 @@ from controller.acceptance import RECENT_DRAFT_TOKENS, AcceptanceBook, Key
 from controller.contexts import Context
 from controller.notify import context_labels
 from controller.ports import DriftEvent
-from controller.store.records import AlertRecord
+from controller.store.records import AlertRecord, Alternative
 from controller.telemetry import ServiceMetrics
 from policies.arms import Arm
 
@@ -170,33 +171,32 @@ class Alerts:
     # -- SpeculationLosing ---------------------------------------------------------------
 
     def judge(
-        self, context: Context, arm: str, speedup: float | None, at: float
+        self, context: Context, arm: str, predicted: Alternative | None, at: float
     ) -> tuple[AlertRecord | None, bool]:
         """(an alert to raise, whether a firing one resolved) for the arm a context runs
-        and the policy's estimate of its speed-up."""
+        and the policy's prediction for it."""
         key = losing_context(context)
         parsed = _arm(arm)
-        losing = (
-            parsed is not None
-            and parsed.proposer is not None
-            and speedup is not None
-            and speedup < 1.0
-        )
-        if not losing:
+        speculating = parsed is not None and parsed.proposer is not None
+        if key in self._losing:
+            if speculating and predicted is not None and predicted.predicted_speedup < 1.0:
+                return None, False
             self._losing_ticks.pop(context, None)
-            if key in self._losing:
-                self._losing_gauge(key, resolved=True)
-                return None, True
+            self._losing_gauge(key, resolved=True)
+            return None, True
+        if not speculating or predicted is None or predicted.high >= 1.0:
+            self._losing_ticks.pop(context, None)
             return None, False
         ticks = self._losing_ticks[context] = self._losing_ticks.get(context, 0) + 1
-        if ticks < LOSING_TICKS or key in self._losing:
+        if ticks < LOSING_TICKS:
             return None, False
         assert parsed is not None and parsed.proposer is not None
         self._losing[key] = parsed.proposer
         self._losing_gauge(key)
         message = (
             f"{arm} runs for {context.workload_class} at concurrency {context.bucket} on "
-            f"{context.model} and loses: predicted speed-up {speedup:.2f} over no speculation"
+            f"{context.model} and loses: predicted speed-up {predicted.predicted_speedup:.2f} "
+            f"({predicted.low:.2f}-{predicted.high:.2f}) over no speculation"
         )
         return AlertRecord(at, LOSING, "critical", message, context=key), False
 

@@ -26,6 +26,7 @@ from controller.ports import (
 )
 from controller.settings import Settings
 from controller.sources import Placement
+from policies.reasons import Reason
 
 
 class HoldPolicy:
@@ -45,7 +46,7 @@ class HoldPolicy:
         pass
 
     def decide(self, context: Context, allowed_arms: Sequence[str], current: str) -> ArmChoice:
-        return ArmChoice(current, "hold: no policy wired")
+        return ArmChoice(current, Reason.HOLD, detail="no policy wired")
 
     def set_pins(self, pins: Mapping[Context, str]) -> None:
         pass

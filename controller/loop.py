@@ -64,11 +64,13 @@ from controller.store.leader import Leadership
 from controller.store.records import (
     Actor,
     AlertRecord,
+    Alternative,
     DecisionRecord,
     ObservationRecord,
     OverrideRecord,
 )
 from controller.telemetry import ServiceMetrics
+from policies.reasons import Reason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,9 +110,11 @@ PUSH_OK, PUSH_ERROR = "ok", "error"
 @dataclass(frozen=True, slots=True)
 class Target:
     arm: str
-    reason: str
+    reason: Reason
     actor: Actor
     predicted_speedup: float | None = None
+    detail: str = ""
+    alternatives: tuple[Alternative, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +231,7 @@ class ControlLoop:
         self._pushing: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.alerts = Alerts(metrics)
-        self._running_speedup: dict[Context, tuple[str, float | None]] = {}
+        self._running_prediction: dict[Context, tuple[str, Alternative | None]] = {}
         self._acting_as_leader = False
         """Whether the previous iteration ran as leader (a change means: take over)."""
         self._store_lost = False
@@ -303,7 +307,13 @@ class ControlLoop:
                 previous_arm=record.previous_arm,
                 actor=record.actor,
                 reason=record.reason,
+                detail=record.detail,
                 predicted_speedup=record.predicted_speedup,
+                alternatives="; ".join(
+                    f"{a.arm} {a.predicted_speedup:.2f} ({a.low:.2f}-{a.high:.2f})"
+                    for a in record.alternatives
+                )
+                or None,
             )
             await self._write(Store.record_decision, record)
         else:
@@ -577,9 +587,9 @@ class ControlLoop:
         lose against no speculation (see ``controller.alerting``)."""
         for context in self.fleet.contexts:
             arm = self.running_arm(context)
-            seen_arm, speedup = self._running_speedup.get(context, (arm, None))
+            seen_arm, predicted = self._running_prediction.get(context, (arm, None))
             alert, resolved = self.alerts.judge(
-                context, arm, speedup if seen_arm == arm else None, now
+                context, arm, predicted if seen_arm == arm else None, now
             )
             if alert is not None:
                 log.warning("%s: %s", alert.name, alert.message)
@@ -834,9 +844,9 @@ class ControlLoop:
                 metrics.context_acceptance.labels(*labels).set(measured.acceptance.ratio)
             else:
                 _remove(metrics.context_acceptance, *labels)
-            seen_arm, speedup = self._running_speedup.get(context, (arm, None))
-            if seen_arm == arm and speedup is not None:
-                metrics.predicted_speedup.labels(*labels).set(speedup)
+            seen_arm, predicted = self._running_prediction.get(context, (arm, None))
+            if seen_arm == arm and predicted is not None:
+                metrics.predicted_speedup.labels(*labels).set(predicted.predicted_speedup)
             else:
                 _remove(metrics.predicted_speedup, *labels)
 
@@ -848,20 +858,40 @@ class ControlLoop:
         current = self.arms.get(context, self.fleet.running_arm(context))
         choice = self.policy.decide(context, self.fleet.allowed_arms(context), current)
         arm = self.fleet.routed_arm(choice.arm)
-        self._running_speedup[context] = (
-            arm,
-            choice.predicted_speedup if arm == choice.arm else None,
-        )
+        self._running_prediction[context] = (arm, self._predicted(arm, choice))
         if pin is not None and arm == pin.arm:
-            return Target(arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
-        reason = choice.reason
+            return self._pinned(pin, choice)
+        target = self._chosen(context, choice)
         if arm != choice.arm:
-            reason = f"{reason}; no pool runs {choice.arm}, so the off pool serves it"
+            detail = f"policy chose {choice.arm} ({choice.reason}); no pool runs it"
+            return Target(arm, Reason.NO_POOL, "policy", None, detail, choice.alternatives)
+        return target
+
+    def _pinned(self, pin: Pin, choice: ArmChoice | None = None) -> Target:
+        override = pin.override
+        alternatives = choice.alternatives if choice is not None else ()
+        predicted = choice.prediction(pin.arm) if choice is not None else None
+        return Target(
+            pin.arm,
+            Reason.OVERRIDE,
+            "operator",
+            predicted.predicted_speedup if predicted else None,
+            f"override {override.id}: {override.reason}",
+            alternatives,
+        )
+
+    def _chosen(self, context: Context, choice: ArmChoice) -> Target:
+        """The policy's choice as a target; the first one after a pin ended says so."""
+        try:
+            reason, detail = Reason(choice.reason), choice.detail
+        except ValueError:  # a plugged-in policy's own word
+            reason, detail = Reason.PLUGIN, ": ".join(filter(None, (choice.reason, choice.detail)))
         if self.actors.get(context) == "operator":
             self.actors[context] = "policy"
-            reason = f"operator override ended; {reason}"
+            detail = f"then {reason}" + (f": {detail}" if detail else "")
+            reason = Reason.OVERRIDE_ENDED
         return Target(
-            arm, reason, "policy", choice.predicted_speedup if arm == choice.arm else None
+            choice.arm, reason, "policy", choice.predicted_speedup, detail, choice.alternatives
         )
 
     def _target(self, context: Context, pin: Pin | None, now: float) -> Target | None:
@@ -869,7 +899,7 @@ class ControlLoop:
         if self.fleet.routing:
             return self._routed_target(context, pin)
         if pin is not None:
-            return Target(pin.arm, f"override {pin.override.id}: {pin.override.reason}", "operator")
+            return self._pinned(pin)
         current = self.running_arm(context)
         released = self.actors.get(context) == "operator"  # it was pinned; the pin is gone
         if self.frozen:
@@ -883,9 +913,14 @@ class ControlLoop:
             current = self.fleet.running_arm(context)
         choice = self.policy.decide(context, allowed, current)
         if released and not self._has_evidence(context, choice):
-            choice = ArmChoice(current, "no evidence yet: the config its pool runs")
+            choice = ArmChoice(
+                current,
+                Reason.NO_EVIDENCE,
+                detail="nothing observed yet: the config its pool runs",
+                alternatives=choice.alternatives,
+            )
         running = self.running_arm(context)
-        self._running_speedup[context] = (running, self._predicted(context, running, choice))
+        self._running_prediction[context] = (running, self._predicted(running, choice))
         if choice.arm not in allowed:
             self.metrics.guard_rail_rejections.labels(rule=NOT_RUNNABLE).inc()
             log.warning("%s: policy chose %s, which its pools cannot run", context, choice.arm)
@@ -894,11 +929,7 @@ class ControlLoop:
         if choice.arm != current and not released and dwell < self.settings.policy.min_dwell_s:
             self.metrics.guard_rail_rejections.labels(rule=MIN_DWELL).inc()
             return None
-        reason = choice.reason
-        if released:
-            reason = f"operator override ended; {reason}"
-            self.actors[context] = "policy"
-        return Target(choice.arm, reason, "policy", choice.predicted_speedup)
+        return self._chosen(context, choice)
 
     def running_arm(self, context: Context) -> str:
         """The arm a context runs: in routing mode the arm the gateway sends it to; in
@@ -909,21 +940,21 @@ class ControlLoop:
         names = self.fleet.pools_for(context.model, context.workload_class)
         return self.running.arm(names[0], context.bucket) if names else OFF
 
-    def _predicted(self, context: Context, arm: str, choice: ArmChoice) -> float | None:
-        """The policy's predicted speed-up over no speculation for ``arm`` in this
-        context: 1 for off by definition, else the choice's or the policy's estimate."""
+    @staticmethod
+    def _predicted(arm: str, choice: ArmChoice) -> Alternative | None:
+        """The policy's prediction for ``arm`` in the context it chose for: off is 1 by
+        definition; a policy that predicts only its choice gives no interval."""
         if arm == OFF:
-            return 1.0
-        if choice.arm == arm:
-            return choice.predicted_speedup
-        return next(
-            (e.speedup for e in self.policy.estimates(context) if e.arm == arm and e.speedup),
-            None,
-        )
+            return Alternative(OFF, 1.0, 1.0, 1.0)
+        predicted = choice.prediction(arm)
+        if predicted is None and choice.arm == arm and choice.predicted_speedup is not None:
+            speedup = choice.predicted_speedup
+            return Alternative(arm, speedup, speedup, speedup)
+        return predicted
 
     def _has_evidence(self, context: Context, choice: ArmChoice) -> bool:
-        """Whether the policy's choice rests on anything it saw: a prediction, or
-        observations of some arm in this context."""
+        """Whether the policy's choice rests on anything it saw: a prediction (made from
+        a plan of what it observed), or observations of some arm in this context."""
         if choice.predicted_speedup is not None:
             return True
         return any(estimate.observations > 0 for estimate in self.policy.estimates(context))
@@ -937,6 +968,8 @@ class ControlLoop:
             reason=target.reason,
             actor=target.actor,
             predicted_speedup=target.predicted_speedup,
+            detail=target.detail,
+            alternatives=target.alternatives,
         )
 
     def _apply(self, decision: DecisionRecord) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from collectors.observations import RequestObservation, WindowObservation
 from controller.contexts import Context
 from controller.gateway.table import Route
-from controller.store.records import WindowStatRecord
+from controller.store.records import Alternative, WindowStatRecord
 
 __all__ = [
     "ArmChoice",
@@ -35,8 +35,18 @@ class ArmChoice:
     arm: str
     """``"<proposer>:<γ>"`` or ``"off"``."""
     reason: str
+    """A word of the vocabulary (``policies.reasons.Reason``)."""
     predicted_speedup: float | None = None
     """Expected tokens/s relative to no speculation (> 1 is faster)."""
+    detail: str = ""
+    """The reason's circumstances, for a person."""
+    alternatives: tuple[Alternative, ...] = ()
+    """What the policy predicts for every arm the context may run (empty before it has a
+    plan for the context's bucket)."""
+
+    def prediction(self, arm: str) -> Alternative | None:
+        """The policy's prediction for ``arm`` here, if it has one."""
+        return next((a for a in self.alternatives if a.arm == arm), None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,11 @@ from controller.contexts import Context
 from controller.fleet import pool_arms
 from controller.ports import ArmChoice, ArmEstimate, Collected, DriftEvent, Route, Routed
 from controller.settings import Settings
+from controller.store.records import Alternative
 from policies.arms import OFF, Arm, ConcurrencyBuckets
-from policies.bandit import DRAFT_COST_PRIOR, BanditConfig, SpecPilotPolicy
+from policies.bandit import DRAFT_COST_PRIOR, BanditConfig, Decision, SpecPilotPolicy
 from policies.fleet import Topology
+from policies.reasons import Reason, reason_of
 
 
 def fleet_arms(settings: Settings) -> tuple[Arm, ...]:
@@ -138,12 +140,24 @@ class BanditControlPolicy:
         except ValueError:
             running = None
         decision = self.policy.decide(context, running=running)
+        predictions = self.policy.predictions(context)
+        alternatives = tuple(
+            Alternative(str(arm), p.speedup, *p.interval)
+            for arm in self.policy.arms
+            if (p := predictions.get(arm)) is not None and str(arm) in allowed_arms
+        )
         arm = str(decision.arm)
         if arm not in allowed_arms:
-            return ArmChoice(current, f"policy prefers {arm}, which no pool here can run")
-        # An incumbent has no evidence yet: whatever the model predicts for it is a guess.
-        speedup = None if decision.reason == "incumbent" else decision.predicted_speedup
-        return ArmChoice(arm, decision.reason, speedup)
+            detail = f"policy prefers {arm} ({decision.reason}), which no pool here can run"
+            kept = next((a.predicted_speedup for a in alternatives if a.arm == current), None)
+            return ArmChoice(current, Reason.UNAVAILABLE, kept, detail, alternatives)
+        return ArmChoice(
+            arm,
+            reason_of(decision.reason),
+            decision.predicted_speedup,
+            _detail(decision),
+            alternatives,
+        )
 
     def set_pins(self, pins: Mapping[Context, str]) -> None:
         for override in self.policy.overrides:
@@ -159,34 +173,26 @@ class BanditControlPolicy:
             )
 
     def estimates(self, context: Context) -> Sequence[ArmEstimate]:
-        believed = self.policy.estimates()
-        committed = next(
-            (
-                c
-                for c in believed["contexts"]
-                if (c["model"], c["workload_class"], c["bucket"])
-                == (context.model, context.workload_class, context.bucket)
-            ),
-            None,
-        )
-        acceptance = {
-            a["proposer"]: a
-            for a in believed["acceptance"]
-            if (a["model"], a["workload_class"]) == (context.model, context.workload_class)
-        }
+        """Per arm: the policy's position-0 acceptance of its class × proposer and what
+        its bucket's plan predicts for it (see ``SpecPilotPolicy.predictions``)."""
+        predictions = self.policy.predictions(context)
+        acceptance = self.policy.learning.acceptance
         estimates = []
         for arm in self.policy.arms:
-            seen = acceptance.get(arm.proposer) if arm.proposer else None
-            is_committed = committed is not None and committed["arm"] == str(arm)
-            interval = committed["interval"] if is_committed and committed else None
+            seen = (
+                acceptance.get((context.model, context.workload_class, arm.proposer))
+                if arm.proposer
+                else None
+            )
+            predicted = predictions.get(arm)
             estimates.append(
                 ArmEstimate(
                     arm=str(arm),
-                    first_position_acceptance=seen["first_position_acceptance"] if seen else None,
+                    first_position_acceptance=float(seen.mean_conditionals()[0]) if seen else None,
                     first_position_acceptance_interval=None,
-                    speedup=committed["predicted_speedup"] if is_committed and committed else None,
-                    speedup_interval=tuple(interval) if interval else None,
-                    observations=int(seen["requests"]) if seen else 0,
+                    speedup=predicted.speedup if predicted else None,
+                    speedup_interval=predicted.interval if predicted else None,
+                    observations=int(seen.requests) if seen else 0,
                 )
             )
         return estimates
@@ -250,3 +256,11 @@ class QueuedObservations:
     async def aclose(self) -> None:
         self._queue.clear()
         self._routed.clear()
+
+
+def _detail(decision: Decision) -> str:
+    """The figures behind a policy's decision, for a person."""
+    if decision.predicted_speedup is None or decision.interval is None:
+        return ""
+    low, high = decision.interval
+    return f"predicted {decision.predicted_speedup:.2f}x over no speculation ({low:.2f}-{high:.2f})"

@@ -51,6 +51,11 @@ class Reason(StrEnum):
     NO_POOL = "no_pool"
     """Routing mode: no pool runs the policy's arm, so the pool without speculation
     serves the context."""
+    PLUGIN = "plugin"
+    """A plugged-in policy (``wiring.policy``) gave a reason of its own: it is the
+    detail."""
+    HOLD = "hold"
+    """No policy is wired (a replica that only serves): the context keeps what it runs."""
     UNAVAILABLE = "unavailable"
     """The policy prefers an arm no pool here may run: the context keeps what it runs."""
 

@@ -25,6 +25,7 @@ from controller.api.schemas import (
     AcceptanceEvidenceOut,
     AlertListOut,
     AlertOut,
+    AlternativeOut,
     ContextPolicyOut,
     DecisionOut,
     DecisionPageOut,
@@ -429,9 +430,18 @@ def build_router() -> APIRouter:
                     arm=d.arm,
                     previous_arm=d.previous_arm,
                     reason=d.reason,
+                    detail=d.detail,
                     actor=d.actor,
                     predicted_speedup=d.predicted_speedup,
                     measured_speedup=d.measured_speedup,
+                    alternatives=[
+                        AlternativeOut(
+                            arm=a.arm,
+                            predicted_speedup=a.predicted_speedup,
+                            interval=Interval(low=a.low, high=a.high),
+                        )
+                        for a in d.alternatives
+                    ],
                 )
                 for d in page.decisions
             ],

@@ -61,6 +61,21 @@ class OverrideList(BaseModel):
     overrides: list[OverrideOut]
 
 
+class Interval(BaseModel):
+    low: float
+    high: float
+
+
+class AlternativeOut(BaseModel):
+    """What the policy predicted for one arm when it decided."""
+
+    arm: str
+    predicted_speedup: float
+    """Speed-up over the context without speculation (off is 1)."""
+    interval: Interval
+    """Its 10–90 % posterior range."""
+
+
 class DecisionOut(BaseModel):
     id: int
     ts: float
@@ -70,9 +85,14 @@ class DecisionOut(BaseModel):
     arm: str
     previous_arm: str | None
     reason: str
+    """A word of README's "Decision reasons" (``policies.reasons.Reason``)."""
+    detail: str
+    """The reason's figures and circumstances."""
     actor: Literal["policy", "operator"]
     predicted_speedup: float | None
     measured_speedup: float | None
+    alternatives: list[AlternativeOut]
+    """Every arm the context could run, as the policy predicted it then."""
 
 
 class AlertOut(BaseModel):
@@ -96,11 +116,6 @@ class DecisionPageOut(BaseModel):
     decisions: list[DecisionOut]
     next_before: int | None
     """Pass as ``before`` to get the next (older) page; null on the last page."""
-
-
-class Interval(BaseModel):
-    low: float
-    high: float
 
 
 class AcceptanceEvidenceOut(BaseModel):

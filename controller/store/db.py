@@ -58,6 +58,7 @@ from controller.store.models import (
 )
 from controller.store.records import (
     AlertRecord,
+    Alternative,
     DecisionRecord,
     LeaseGrant,
     LeaseOutcome,
@@ -504,6 +505,8 @@ class Store:
                 predicted_speedup=decision.predicted_speedup,
                 measured_speedup=decision.measured_speedup,
                 actor=decision.actor,
+                detail=decision.detail,
+                alternatives=[dataclasses.asdict(a) for a in decision.alternatives],
             )
             session.add(row)
             session.flush()
@@ -891,6 +894,8 @@ def _decision(row: DecisionRow) -> DecisionRecord:
         predicted_speedup=row.predicted_speedup,
         measured_speedup=row.measured_speedup,
         id=row.id,
+        detail=row.detail or "",
+        alternatives=tuple(Alternative(**a) for a in row.alternatives or ()),
     )
 
 

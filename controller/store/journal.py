@@ -17,7 +17,7 @@ from typing import Any
 
 from controller.contexts import Context
 from controller.store.db import Store
-from controller.store.records import AlertRecord, DecisionRecord
+from controller.store.records import AlertRecord, Alternative, DecisionRecord
 
 Entry = DecisionRecord | AlertRecord
 
@@ -67,5 +67,13 @@ class Journal:
 
 def _entry(kind: str, record: dict[str, Any]) -> Entry:
     if kind == "decision":
-        return DecisionRecord(**{**record, "context": Context(**record["context"]), "id": None})
+        alternatives = tuple(Alternative(**a) for a in record.get("alternatives", ()))
+        return DecisionRecord(
+            **{
+                **record,
+                "context": Context(**record["context"]),
+                "alternatives": alternatives,
+                "id": None,
+            }
+        )
     return AlertRecord(**{**record, "id": None})

@@ -112,6 +112,9 @@ class DecisionRow(Base):
     predicted_speedup: Mapped[float | None] = mapped_column(Float)
     measured_speedup: Mapped[float | None] = mapped_column(Float)
     actor: Mapped[str] = mapped_column(String(16))
+    detail: Mapped[str | None] = mapped_column(Text)
+    alternatives: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    """``[{arm, predicted_speedup, low, high}]`` as the policy predicted them."""
 
 
 class OverrideRow(Base):

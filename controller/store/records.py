@@ -56,16 +56,32 @@ class WindowStatRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Alternative:
+    """What the policy predicted for one arm a context could run when it decided: its
+    speed-up over the context without speculation (off is 1) and the 10–90 % range."""
+
+    arm: str
+    predicted_speedup: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True, slots=True)
 class DecisionRecord:
     ts: float
     context: Context
     arm: str
     previous_arm: str | None
     reason: str
+    """A word of the vocabulary (``policies.reasons.Reason``)."""
     actor: Actor
     predicted_speedup: float | None = None
     measured_speedup: float | None = None
     id: int | None = None
+    detail: str = ""
+    """The reason's figures and circumstances, for a person."""
+    alternatives: tuple[Alternative, ...] = ()
+    """Every arm the context could run, as the policy predicted it then."""
 
 
 @dataclass(frozen=True, slots=True)

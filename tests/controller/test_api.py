@@ -147,7 +147,10 @@ def test_override_lifecycle(api: Api) -> None:
 
     decided = api.until(lambda: len(operator_decisions()) == 2 and operator_decisions())
     assert {d["bucket"] for d in decided} == {"1-3", "4+"}
-    assert all(d["arm"] == "ngram:3" and "incident 42" in d["reason"] for d in decided)
+    assert all(
+        d["arm"] == "ngram:3" and d["reason"] == "override" and "incident 42" in d["detail"]
+        for d in decided
+    )
     policy = api.client.get("/v1/policy").json()
     code = [c for c in policy["contexts"] if c["class"] == "code"]
     assert all(c["decided_arm"] == "ngram:3" and c["override_id"] == body["id"] for c in code)

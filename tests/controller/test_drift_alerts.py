@@ -178,7 +178,8 @@ def test_a_proposer_that_drafts_nothing_raises_no_drift_and_says_so(tmp_path: Pa
         policy = asyncio.run(run())
     finally:
         h.service.close()
-    assert h.service.store.alerts() == []
+    # No drift (speculation that drafts nothing may well lose, and say so, at high load).
+    assert [a for a in h.service.store.alerts() if a.name == "AcceptanceDrift"] == []
     assert h.firing() is None
     assert h.gauge("specpilot_drafted_nothing", **PROPOSER) == 1
     drafted = h.fed[:10]

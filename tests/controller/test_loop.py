@@ -193,13 +193,15 @@ def test_override_pins_then_hands_back_when_it_expires(
     pinned = {d.context: d for d in harness.decisions()}
     assert set(pinned) == {CODE_LOW, CODE_HIGH}
     assert all(d.actor == "operator" and d.arm == "ngram:2" for d in pinned.values())
-    assert "incident 42" in pinned[CODE_LOW].reason
+    assert pinned[CODE_LOW].reason == "override"
+    assert "incident 42" in pinned[CODE_LOW].detail
     assert harness.policy.pins == {CODE_LOW: "ngram:2", CODE_HIGH: "ngram:2"}
     harness.tick(1200.0)  # expired
     newest = harness.decisions()[:2]
     back = {d.context: d for d in newest}
     assert back[CODE_LOW].arm == "tiny:2" and back[CODE_LOW].actor == "policy"
-    assert back[CODE_LOW].reason.startswith("operator override ended")
+    assert back[CODE_LOW].reason == "override_ended"
+    assert back[CODE_LOW].detail == "then plugin: scripted"
     assert harness.policy.pins == {}
     logged = [r.getMessage() for r in caplog.records if r.name == "specpilot.actions"]
     assert [line.split(" [")[0] for line in logged if line.startswith("override_")] == [

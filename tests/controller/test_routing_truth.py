@@ -23,6 +23,7 @@ from controller.demo import DEMO_SCENARIO, demo_settings
 from controller.loop import context_of
 from controller.runtime import assemble
 from controller.settings import TOKEN_ENV
+from policies.reasons import Reason
 from simulator.load import LoadOptions, run_load
 from simulator.scenario import load_scenario
 from simulator.server import SimFleet, default_pools
@@ -194,7 +195,17 @@ def test_api_audit_log_stats_and_metrics_agree_with_where_requests_went(tmp_path
             assert later["previous_arm"] == earlier["arm"]
             assert later["arm"] != earlier["arm"]
         assert policy[context]["arm"] == chain[-1]["arm"]
-        assert all(d["reason"] for d in chain)
+        # Each says why in the vocabulary, and what it weighed: off at 1, every
+        # prediction inside its interval.
+        assert all(d["reason"] in set(Reason) for d in chain), chain
+        for d in chain:
+            weighed = {a["arm"]: a for a in d["alternatives"]}
+            if d["actor"] == "policy" and d["reason"] != "learning":
+                assert weighed["off"]["predicted_speedup"] == 1.0, d
+                assert d["arm"] in weighed, d
+            for a in weighed.values():
+                assert a["interval"]["low"] <= a["predicted_speedup"] <= a["interval"]["high"]
+    assert any(d["alternatives"] for d in decisions), decisions
     for context, row in policy.items():
         if context not in by_context:
             assert row["arm"] == "off"
@@ -263,4 +274,7 @@ def test_api_audit_log_stats_and_metrics_agree_with_where_requests_went(tmp_path
             assert (row["arm"], row["actor"]) == ("ngram:2", "operator"), row
             assert row["override_id"] == out["pinned"].json()["id"]
     pins = [d for d in out["decisions_pinned"] if d["actor"] == "operator"]
-    assert pins and all(d["arm"] == "ngram:2" and "test pin" in d["reason"] for d in pins)
+    assert pins and all(
+        d["arm"] == "ngram:2" and d["reason"] == "override" and "test pin" in d["detail"]
+        for d in pins
+    )

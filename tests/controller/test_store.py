@@ -15,9 +15,11 @@ from collectors.observations import RequestObservation, SpecDecodeRequestStats
 from controller.contexts import Context
 from controller.store.buffer import BufferedWriter
 from controller.store.db import Store, StoreUnavailable
+from controller.store.journal import Journal
 from controller.store.models import Base
 from controller.store.records import (
     AlertRecord,
+    Alternative,
     DecisionRecord,
     ObservationRecord,
     OverrideRecord,
@@ -131,6 +133,21 @@ def test_decisions_newest_first_paginated(store: Store) -> None:
     assert latest[CODE].arm == "ngram:5" and latest[CHAT].arm == "ngram:1"
     store.set_measured_speedup(CODE, 104.0, 1.21)
     assert store.decisions(limit=1, context=CODE).decisions[0].measured_speedup == 1.21
+
+
+def test_a_decision_keeps_its_detail_and_alternatives(store: Store, tmp_path: Path) -> None:
+    alternatives = (Alternative("off", 1.0, 1.0, 1.0), Alternative("ngram:2", 1.4, 1.1, 1.7))
+    made = dataclasses.replace(
+        decision(100.0, "ngram:2", "off"), detail="predicted 1.40x", alternatives=alternatives
+    )
+    store.record_decision(made)
+    [got] = store.decisions(limit=1).decisions
+    assert (got.detail, got.alternatives) == ("predicted 1.40x", alternatives)
+    # What the journal keeps while the store is away comes back the same.
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.append(made)
+    [replayed] = journal.entries()
+    assert replayed == dataclasses.replace(made, id=None)
 
 
 def test_overrides_expire_and_delete(store: Store) -> None:
