@@ -902,16 +902,18 @@ class ControlLoop:
             return self._pinned(pin)
         current = self.running_arm(context)
         released = self.actors.get(context) == "operator"  # it was pinned; the pin is gone
-        if self.frozen:
-            if released:
-                self.actors[context] = "policy"  # the arm stays while frozen
-            return None
         allowed = self.fleet.allowed_arms(context)
-        if released:
+        if released and not self.frozen:
             # The pinned arm is no baseline: the context goes where evidence says, and
             # without any back to the config its pool runs.
             current = self.fleet.running_arm(context)
         choice = self.policy.decide(context, allowed, current)
+        if self.frozen:
+            # Nothing moves, but what runs is still predicted (and may be losing).
+            self._running_prediction[context] = (current, self._predicted(current, choice))
+            if released:
+                self.actors[context] = "policy"  # the arm stays while frozen
+            return None
         if released and not self._has_evidence(context, choice):
             choice = ArmChoice(
                 current,
