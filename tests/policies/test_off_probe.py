@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_window_evidence import CONDITIONALS, NGRAM4, Clock, as_window, policy, requests
 
 from collectors.observations import WindowObservation
 from policies.arms import OFF, Arm, Context
 from policies.bandit import SpecPilotPolicy
 from policies.reasons import Reason
+from tests.policies.test_window_evidence import (
+    CONDITIONALS,
+    NGRAM4,
+    Clock,
+    as_window,
+    policy,
+    requests,
+)
 
 CONTEXT = Context("m", "code", "1")
 COLLAPSED = (0.02, 0.02, 0.02, 0.02)
