@@ -573,7 +573,6 @@ class ControlLoop:
         for event in self.policy.drift():
             alert = self.alerts.drifted(event)
             if alert is not None:
-                log.warning("%s: %s", alert.name, alert.message)
                 await self._record(alert)
                 raised.append(alert)
         for context, message in self.alerts.recovered():
@@ -592,7 +591,6 @@ class ControlLoop:
                 context, arm, predicted if seen_arm == arm else None, now
             )
             if alert is not None:
-                log.warning("%s: %s", alert.name, alert.message)
                 await self._record(alert)
             if resolved:
                 await self._resolve(LOSING, "critical", losing_context(context))
