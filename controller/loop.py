@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_args
@@ -131,15 +132,22 @@ class _Mean:
 
 @dataclass(slots=True)
 class RouteShare:
-    """Routing mode: requests of a context finished since its arm last changed, and how
-    many of them the gateway served with another arm (exploration, probes, trials)."""
+    """Routing mode: requests of a context finished since its arm last changed, how many
+    of them the routing table sent to another arm (exploration, probes, trials), and
+    how many the gateway served on another pool than the table's, because that pool
+    could not take them (failovers: neither the policy's choice nor exploration)."""
 
     requests: int = 0
     elsewhere: int = 0
+    failovers: int = 0
 
     @property
     def explored(self) -> float | None:
         return self.elsewhere / self.requests if self.requests else None
+
+    @property
+    def failed_over(self) -> float | None:
+        return self.failovers / self.requests if self.requests else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -791,8 +799,11 @@ class ControlLoop:
         so they are held against the arms of the previous one. A request that finished
         before its context's arm last changed is not counted, however late it arrives:
         the gateway hands its observations over in batches, and the share is of the
-        requests since the change."""
+        requests since the change. A request the gateway failed over to another pool
+        (its routed pool could not take it) is a failover, not an exploration: counted
+        apart, and logged once per iteration per arm and pool."""
         edges = self.settings.buckets
+        failovers: Counter[tuple[str, str]] = Counter()
         for observation in observations:
             context = context_of(observation, edges)
             if context not in self._known:
@@ -804,8 +815,22 @@ class ControlLoop:
             if share is None:
                 share = self.routes[context] = RouteShare()
             share.requests += 1
-            if (observation.arm or UNKNOWN) != self.arms.get(context):
+            served = observation.arm or UNKNOWN
+            routed = observation.routed_arm or served
+            if routed != served:
+                share.failovers += 1
+                failovers[(routed, observation.pool or UNKNOWN)] += 1
+            elif served != self.arms.get(context):
                 share.elsewhere += 1
+        for (routed, pool), count in sorted(failovers.items()):
+            actions.record(
+                Action.FAILOVER,
+                f"{count} request(s) routed to {routed} served by pool {pool}: its own pool "
+                "could not take them",
+                routed_arm=routed,
+                served_pool=pool,
+                requests=count,
+            )
 
     def _publish_contexts(self) -> None:
         """``specpilot_context_*``: each context's arm (what the gateway routes it to in
@@ -829,6 +854,11 @@ class ControlLoop:
                 metrics.explored.labels(*labels).set(explored)
             else:
                 _remove(metrics.explored, *labels)
+            failed_over = share.failed_over if share is not None else None
+            if failed_over is not None:
+                metrics.failed_over.labels(*labels).set(failed_over)
+            else:
+                _remove(metrics.failed_over, *labels)
             measured = self.alerts.book.of_arm(context.model, context.workload_class, arm)
             if measured.acceptance is not None:
                 metrics.context_acceptance.labels(*labels).set(measured.acceptance.ratio)

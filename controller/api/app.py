@@ -276,6 +276,7 @@ def build_router() -> APIRouter:
                     estimates=estimates,
                     routed_requests=share.requests if share is not None else None,
                     explored_share=share.explored if share is not None else None,
+                    failover_share=share.failed_over if share is not None else None,
                 )
             )
         return PolicyOut(frozen=loop.frozen, leader=loop.is_leader, contexts=contexts)

@@ -156,8 +156,12 @@ class ContextPolicyOut(BaseModel):
     """Routing mode, on the leader: the context's requests finished since its arm last
     changed (or since this replica started leading); null otherwise."""
     explored_share: float | None = None
-    """Of ``routed_requests``, the share the gateway served with another arm than
+    """Of ``routed_requests``, the share the routing table sent to another arm than
     ``arm`` (exploration, probes, knee trials); null without requests."""
+    failover_share: float | None = None
+    """Of ``routed_requests``, the share the gateway served on another pool than the
+    routing table's because that pool could not take them (no instance up): failovers,
+    not in ``explored_share``; null without requests."""
 
 
 class PolicyOut(BaseModel):
