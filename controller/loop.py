@@ -55,6 +55,7 @@ from controller.instances import INSTANCE_DOWN, InstanceHealth
 from controller.instances import SEVERITY as INSTANCE_DOWN_SEVERITY
 from controller.notify import notifier_from
 from controller.ports import ArmChoice, Collected, ControlPolicy, ObservationSource, Route, Routed
+from controller.relayed import RelayedWindows
 from controller.running import Push, PushState, RunningConfigs
 from controller.settings import Settings
 from controller.specconfig import OFF, SpecConfigError
@@ -217,6 +218,8 @@ class ControlLoop:
         self.overrides: list[OverrideRecord] = []
         self.routes: dict[Context, RouteShare] = {}
         """Routing mode: where the requests of each context went since its last change."""
+        self.relayed = RelayedWindows()
+        """What the gateway measured per instance (the leader's, of every replica's)."""
         self._published: dict[Context, str] = {}
         """The arm ``specpilot_context_arm`` shows per context."""
         self.last_tick_at: float | None = None
@@ -521,6 +524,7 @@ class ControlLoop:
                 self.policy.observe_window(window)
         if self.fleet.routing:
             self._tally_routes(observations)
+        self.relayed.add(observations)
         for observation in observations:
             self.alerts.note_request(observation)
         for window in windows:
