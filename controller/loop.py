@@ -50,10 +50,12 @@ from controller.actuators.rolling import RollingRestarts
 from controller.alerting import DRIFT, LOSING, Alerts, losing_context
 from controller.contexts import Context, bucket_of
 from controller.exactness import EXACTNESS_BROKEN, ExactnessChecker, exactness_failures
-from controller.fleet import Fleet, PoolConfig
+from controller.fleet import Fleet, PoolConfig, pool_arms
 from controller.instances import INSTANCE_DOWN, InstanceHealth
 from controller.instances import SEVERITY as INSTANCE_DOWN_SEVERITY
 from controller.notify import notifier_from
+from controller.override_pools import OVERRIDE_POOL_DOWN, OverridePools, PinnedPools
+from controller.override_pools import SEVERITY as OVERRIDE_POOL_DOWN_SEVERITY
 from controller.ports import ArmChoice, Collected, ControlPolicy, ObservationSource, Route, Routed
 from controller.relayed import RelayedWindows
 from controller.running import Push, PushState, RunningConfigs
@@ -100,6 +102,7 @@ ALERT_NAMES = (
     STORE_LOST,
     PUSH_NOT_APPLIED,
     INSTANCE_DOWN,
+    OVERRIDE_POOL_DOWN,
 )
 """Every alert the loop raises."""
 NOT_RUNNABLE = "not_runnable"
@@ -263,6 +266,10 @@ class ControlLoop:
         self.instances: InstanceHealth | None = None
         """Probes the pool instances each iteration this replica collects
         (``controller.instances``); None: not probed."""
+        self._override_pools = OverridePools(
+            settings.alerting.instance_down_after_s or 3 * settings.scrape_interval_s
+        )
+        """Overrides whose pool has no instance up (``controller.override_pools``)."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -384,6 +391,7 @@ class ControlLoop:
                 self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
         if self.instances is not None:
             self.instances.restore(unresolved)
+        self._override_pools.restore(unresolved)
         # Resolved by the first push that succeeds or that the evidence confirms (every
         # pool is pushed again at start).
         self._not_applied = {
@@ -537,6 +545,7 @@ class ControlLoop:
         self.metrics.overrides_active.set(len(self.overrides))
         pins = await self._pins(self.overrides, now)
         self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
+        await self._judge_override_pools(pins, now)
 
         decisions = []
         for context in self.fleet.contexts:
@@ -784,6 +793,36 @@ class ControlLoop:
                 pins[context] = Pin(arm, override)
         await self._resolve_runnable(bad)
         return pins
+
+    async def _judge_override_pools(self, pins: Mapping[Context, Pin], now: float) -> None:
+        """``SpecpilotOverridePoolDown`` for each override in force whose pool has no
+        instance up: in routing mode the pool running the pinned arm, in push mode the
+        pools of the contexts it pins (``controller.override_pools``)."""
+        if self.instances is None or not self.instances.probed:
+            return
+        running = pool_arms(self.settings)
+        pools: dict[str, set[str]] = {}
+        for context, pin in pins.items():
+            serving = pools.setdefault(pin.override.id, set())
+            if self.fleet.routing:
+                serving.update(name for name, arm in running.items() if arm == pin.arm)
+            else:
+                serving.update(self.fleet.pools_for(context.model, context.workload_class))
+        pinned = {pin.override.id: pin for pin in pins.values()}
+        judged = self._override_pools.judge(
+            [
+                PinnedPools(i, pin.override.reason, pin.arm, frozenset(pools[i]))
+                for i, pin in pinned.items()
+            ],
+            self.instances.pools_down(),
+            now,
+        )
+        for alert in judged.raised:
+            await self._record(alert)
+        for alert in judged.firing:  # still holds: Alertmanager's copy must not lapse
+            self.notifier.notify(alert)
+        for where, why in judged.resolved:
+            await self._resolve(OVERRIDE_POOL_DOWN, OVERRIDE_POOL_DOWN_SEVERITY, where, why)
 
     async def _resolve_runnable(self, bad: set[str]) -> None:
         """``OverrideNotRunnable`` resolves once its override is no longer in force
