@@ -848,6 +848,10 @@ class ControlLoop:
         edges = self.settings.buckets
         failovers: Counter[tuple[str, str]] = Counter()
         for observation in observations:
+            served = observation.arm or UNKNOWN
+            routed = observation.routed_arm or served
+            if routed != served:
+                failovers[(routed, observation.pool or UNKNOWN)] += 1
             context = context_of(observation, edges)
             if context not in self._known:
                 continue
@@ -858,11 +862,8 @@ class ControlLoop:
             if share is None:
                 share = self.routes[context] = RouteShare()
             share.requests += 1
-            served = observation.arm or UNKNOWN
-            routed = observation.routed_arm or served
             if routed != served:
                 share.failovers += 1
-                failovers[(routed, observation.pool or UNKNOWN)] += 1
             elif served != self.arms.get(context):
                 share.elsewhere += 1
         for (routed, pool), count in sorted(failovers.items()):
