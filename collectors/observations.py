@@ -78,6 +78,13 @@ class RequestObservation:
     e2e_s: float | None = None
     """Seconds from a gateway receiving the request to relaying its end: what the client
     waited, queueing and prefill included. None unless a gateway measured it."""
+    routed_arm: str | None = None
+    """The arm of the pool a gateway's routing sent it to. Where that pool had no
+    instance able to take it, the gateway failed over to another pool of the model,
+    whose arm ``arm`` is: a failover, not the policy's choice. None: no gateway."""
+    instance: str | None = None
+    """The instance that served it (its URL as ``/v1/fleet`` shows it, credentials
+    redacted), where a gateway relayed it."""
 
     @property
     def tpot_s(self) -> float | None:

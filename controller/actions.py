@@ -44,13 +44,19 @@ class Action(StrEnum):
     ``reason``: ``unreachable``, ``bad_answer`` or ``wrong_model``; ``served``: its names)."""
     INSTANCE_UP = "instance_up"
     """An instance that was down answers again (``pool``, ``instance``)."""
+    FAILOVER = "failover"
+    """Routing mode: requests the routing table sent to a pool that could not take them
+    (no instance up), served by another pool (``routed_arm``, ``served_pool``,
+    ``requests``); one line per iteration and pair where any were."""
     ALERT_RAISED = "alert_raised"
     """An alert fired (``alert``, ``severity``, ``context``)."""
     ALERT_RESOLVED = "alert_resolved"
     """A firing alert's condition cleared (``alert``, ``context``)."""
 
 
-_WARNINGS = frozenset({Action.PUSH_NOT_APPLIED, Action.ROLLBACK, Action.INSTANCE_DOWN})
+_WARNINGS = frozenset(
+    {Action.PUSH_NOT_APPLIED, Action.ROLLBACK, Action.INSTANCE_DOWN, Action.FAILOVER}
+)
 
 
 def record(action: Action, message: str, /, **fields: FieldValue) -> None:

@@ -125,6 +125,7 @@ def render(
         f"specpilot demo  t={elapsed_s:6.1f}s (scenario {sim_t:5.0f}s, "
         f"{scenario.concurrency_at(min(sim_t, scenario.duration_s - 1e-9))} streams, phase {phase})"
         f"  explore {policy.explore_fraction:.2f}",
+        *learned_costs(policy),
         f"{'class':10s} {'bucket':7s} {'arm':10s} {'reason':11s} {'pred. speed-up':>15s}",
     ]
     for context in sorted(contexts, key=context_order):
@@ -136,6 +137,19 @@ def render(
             f"{decision.reason:11s} {shown:>15s}"
         )
     return "\n".join(lines)
+
+
+def learned_costs(policy: SpecPilotPolicy) -> list[str]:
+    """Why an arm that pays when quiet costs in a rush, as the policy has it: a pool's
+    step slows once its streams verify more tokens per step than the knee."""
+    out = []
+    for cost in policy.estimates()["cost"]:
+        drafting = ", ".join(f"{p} {c:.2f}" for p, c in sorted(cost["draft_cost"].items()))
+        out.append(
+            f"learned: a pool's step slows past {cost['knee_tokens']:.0f} verified tokens "
+            f"(streams × (γ + 1)); drafting per position, of a plain step: {drafting}"
+        )
+    return out
 
 
 async def run_demo(args: Any) -> int:

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_args
@@ -49,11 +50,14 @@ from controller.actuators.rolling import RollingRestarts
 from controller.alerting import DRIFT, LOSING, Alerts, losing_context
 from controller.contexts import Context, bucket_of
 from controller.exactness import EXACTNESS_BROKEN, ExactnessChecker, exactness_failures
-from controller.fleet import Fleet, PoolConfig
+from controller.fleet import Fleet, PoolConfig, pool_arms
 from controller.instances import INSTANCE_DOWN, InstanceHealth
 from controller.instances import SEVERITY as INSTANCE_DOWN_SEVERITY
 from controller.notify import notifier_from
+from controller.override_pools import OVERRIDE_POOL_DOWN, OverridePools, PinnedPools
+from controller.override_pools import SEVERITY as OVERRIDE_POOL_DOWN_SEVERITY
 from controller.ports import ArmChoice, Collected, ControlPolicy, ObservationSource, Route, Routed
+from controller.relayed import RelayedWindows
 from controller.running import Push, PushState, RunningConfigs
 from controller.settings import Settings
 from controller.specconfig import OFF, SpecConfigError
@@ -100,6 +104,7 @@ ALERT_NAMES = (
     STORE_LOST,
     PUSH_NOT_APPLIED,
     INSTANCE_DOWN,
+    OVERRIDE_POOL_DOWN,
 )
 """Every alert the loop raises."""
 NOT_RUNNABLE = "not_runnable"
@@ -135,15 +140,22 @@ class _Mean:
 
 @dataclass(slots=True)
 class RouteShare:
-    """Routing mode: requests of a context finished since its arm last changed, and how
-    many of them the gateway served with another arm (exploration, probes, trials)."""
+    """Routing mode: requests of a context finished since its arm last changed, how many
+    of them the routing table sent to another arm (exploration, probes, trials), and
+    how many the gateway served on another pool than the table's, because that pool
+    could not take them (failovers: neither the policy's choice nor exploration)."""
 
     requests: int = 0
     elsewhere: int = 0
+    failovers: int = 0
 
     @property
     def explored(self) -> float | None:
         return self.elsewhere / self.requests if self.requests else None
+
+    @property
+    def failed_over(self) -> float | None:
+        return self.failovers / self.requests if self.requests else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +225,8 @@ class ControlLoop:
         self.overrides: list[OverrideRecord] = []
         self.routes: dict[Context, RouteShare] = {}
         """Routing mode: where the requests of each context went since its last change."""
+        self.relayed = RelayedWindows()
+        """What the gateway measured per instance (the leader's, of every replica's)."""
         self._published: dict[Context, str] = {}
         """The arm ``specpilot_context_arm`` shows per context."""
         self.last_tick_at: float | None = None
@@ -256,6 +270,10 @@ class ControlLoop:
         self.instances: InstanceHealth | None = None
         """Probes the pool instances each iteration this replica collects
         (``controller.instances``); None: not probed."""
+        self._override_pools = OverridePools(
+            settings.alerting.instance_down_after_s or 3 * settings.scrape_interval_s
+        )
+        """Overrides whose pool has no instance up (``controller.override_pools``)."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -383,6 +401,7 @@ class ControlLoop:
                 self._bad_overrides.setdefault(f"restored:{alert.context}", alert.context)
         if self.instances is not None:
             self.instances.restore(unresolved)
+        self._override_pools.restore(unresolved)
         # Resolved by the first push that succeeds or that the evidence confirms (every
         # pool is pushed again at start).
         self._not_applied = {
@@ -523,6 +542,7 @@ class ControlLoop:
                 self.policy.observe_window(window)
         if self.fleet.routing:
             self._tally_routes(observations)
+        self.relayed.add(observations)
         for observation in observations:
             self.alerts.note_request(observation)
         for window in windows:
@@ -535,6 +555,7 @@ class ControlLoop:
         self.metrics.overrides_active.set(len(self.overrides))
         pins = await self._pins(self.overrides, now)
         self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
+        await self._judge_override_pools(pins, now)
 
         decisions = []
         for context in self.fleet.contexts:
@@ -781,6 +802,36 @@ class ControlLoop:
         await self._resolve_runnable(bad)
         return pins
 
+    async def _judge_override_pools(self, pins: Mapping[Context, Pin], now: float) -> None:
+        """``SpecpilotOverridePoolDown`` for each override in force whose pool has no
+        instance up: in routing mode the pool running the pinned arm, in push mode the
+        pools of the contexts it pins (``controller.override_pools``)."""
+        if self.instances is None or not self.instances.probed:
+            return
+        running = pool_arms(self.settings)
+        pools: dict[str, set[str]] = {}
+        for context, pin in pins.items():
+            serving = pools.setdefault(pin.override.id, set())
+            if self.fleet.routing:
+                serving.update(name for name, arm in running.items() if arm == pin.arm)
+            else:
+                serving.update(self.fleet.pools_for(context.model, context.workload_class))
+        pinned = {pin.override.id: pin for pin in pins.values()}
+        judged = self._override_pools.judge(
+            [
+                PinnedPools(i, pin.override.reason, pin.arm, frozenset(pools[i]))
+                for i, pin in pinned.items()
+            ],
+            self.instances.pools_down(),
+            now,
+        )
+        for alert in judged.raised:
+            await self._record(alert)
+        for alert in judged.firing:  # still holds: Alertmanager's copy must not lapse
+            self.notifier.notify(alert)
+        for where, why in judged.resolved:
+            await self._resolve(OVERRIDE_POOL_DOWN, OVERRIDE_POOL_DOWN_SEVERITY, where, why)
+
     async def _resolve_runnable(self, bad: set[str]) -> None:
         """``OverrideNotRunnable`` resolves once its override is no longer in force
         (expired or deleted) or runs again; an alert shared by overrides of the same
@@ -799,9 +850,16 @@ class ControlLoop:
         so they are held against the arms of the previous one. A request that finished
         before its context's arm last changed is not counted, however late it arrives:
         the gateway hands its observations over in batches, and the share is of the
-        requests since the change."""
+        requests since the change. A request the gateway failed over to another pool
+        (its routed pool could not take it) is a failover, not an exploration: counted
+        apart, and logged once per iteration per arm and pool."""
         edges = self.settings.buckets
+        failovers: Counter[tuple[str, str]] = Counter()
         for observation in observations:
+            served = observation.arm or UNKNOWN
+            routed = observation.routed_arm or served
+            if routed != served:
+                failovers[(routed, observation.pool or UNKNOWN)] += 1
             context = context_of(observation, edges)
             if context not in self._known:
                 continue
@@ -812,8 +870,19 @@ class ControlLoop:
             if share is None:
                 share = self.routes[context] = RouteShare()
             share.requests += 1
-            if (observation.arm or UNKNOWN) != self.arms.get(context):
+            if routed != served:
+                share.failovers += 1
+            elif served != self.arms.get(context):
                 share.elsewhere += 1
+        for (routed, pool), count in sorted(failovers.items()):
+            actions.record(
+                Action.FAILOVER,
+                f"{count} request(s) routed to {routed} served by pool {pool}: its own pool "
+                "could not take them",
+                routed_arm=routed,
+                served_pool=pool,
+                requests=count,
+            )
 
     def _publish_contexts(self) -> None:
         """``specpilot_context_*``: each context's arm (what the gateway routes it to in
@@ -837,6 +906,11 @@ class ControlLoop:
                 metrics.explored.labels(*labels).set(explored)
             else:
                 _remove(metrics.explored, *labels)
+            failed_over = share.failed_over if share is not None else None
+            if failed_over is not None:
+                metrics.failed_over.labels(*labels).set(failed_over)
+            else:
+                _remove(metrics.failed_over, *labels)
             measured = self.alerts.book.of_arm(context.model, context.workload_class, arm)
             if measured.acceptance is not None:
                 metrics.context_acceptance.labels(*labels).set(measured.acceptance.ratio)

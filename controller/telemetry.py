@@ -119,7 +119,15 @@ class ServiceMetrics:
         self.explored = Gauge(
             "specpilot_context_explored_ratio",
             "Routing mode: share of the context's requests since its arm last changed that "
-            "the gateway served with another arm (exploration, probes, trials).",
+            "the routing table sent to another arm (exploration, probes, trials).",
+            CONTEXT_LABELS,
+            registry=registry,
+        )
+        self.failed_over = Gauge(
+            "specpilot_context_failover_ratio",
+            "Routing mode: share of the context's requests since its arm last changed that "
+            "the gateway served on another pool than the routing table's, because that "
+            "pool could not take them (a failover, not an exploration).",
             CONTEXT_LABELS,
             registry=registry,
         )

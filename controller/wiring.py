@@ -87,6 +87,8 @@ def model_free_proposer(settings: Settings) -> str | None:
 
 EXPLORING = frozenset({"explore", "probe", "trial"})
 """The reasons of a request served by another arm than its context's committed one."""
+WHOLE_CAP = frozenset({"explore", "trial"})
+"""Route entries that ask for every request the exploration cap lets through."""
 
 
 class BanditControlPolicy:
@@ -114,16 +116,28 @@ class BanditControlPolicy:
         ]
 
     def route(self, context: Context) -> Route:
-        """The bandit's route as a gateway worker samples from it: the Thompson arm's
-        share is the share of the class's requests the exploration cap gives it in the
-        long run (in process, ``select`` follows the cap's moving rate instead)."""
+        """The bandit's route as a gateway worker samples from it, every request of the
+        context but ``explore_cap`` of them on the committed arm.
+
+        In process, ``select`` lets a request explore only while the moving share of
+        all requests that explored is below the cap, so a rare class may explore most
+        of its own requests. A worker samples each request from the table alone, for
+        as long as the table stands (a loop interval), so the cap holds per context:
+        the Thompson arm and a knee trial ask for as much as it allows ("share 1"),
+        probes for their share, and where together they ask for more, each gets its
+        part of the cap. (Scaled by the class's share of the traffic instead, a class
+        with a tenth of the requests would send 80 % of them elsewhere; and a trial's
+        share of 1 would hold a bucket on the trial's arms for a whole interval, however
+        many requests past the trial's length that was.)"""
         policy = self.policy
         route = policy.route(context)
-        explore_share = policy.exploration.explore_share(context.model, context.workload_class)
-        explore = tuple(
-            (str(arm), explore_share if why == "explore" else share, why)
-            for arm, share, why in route.explore
-        )
+        cap = policy.config.explore_cap
+        wanted = [
+            (str(arm), cap if why in WHOLE_CAP else share, why) for arm, share, why in route.explore
+        ]
+        total = sum(max(share, 0.0) for _, share, _ in wanted)
+        scale = cap / total if total > cap else 1.0
+        explore = tuple((arm, max(share, 0.0) * scale, why) for arm, share, why in wanted)
         return Route(str(route.arm), route.reason, explore)
 
     def routed(self, request: Routed) -> None:

@@ -33,6 +33,7 @@ from controller.api.schemas import (
     EstimateOut,
     FleetOut,
     FrozenOut,
+    GatewayWindowOut,
     HealthOut,
     InstanceOut,
     Interval,
@@ -48,6 +49,7 @@ from controller.api.schemas import (
 from controller.contexts import WILDCARD
 from controller.loop import FROZEN_KEY, RouteShare
 from controller.ports import ArmEstimate
+from controller.relayed import RelayedWindow
 from controller.running import PushState
 from controller.service import Service
 from controller.settings import Settings
@@ -159,6 +161,21 @@ def _override_out(service: Service, override: OverrideRecord) -> OverrideOut:
     )
 
 
+def _gateway_window(window: RelayedWindow) -> GatewayWindowOut:
+    return GatewayWindowOut(
+        window_s=window.window_s,
+        requests=window.requests,
+        arm=window.arm,
+        output_tokens=window.output_tokens,
+        acceptance_rate=window.acceptance_rate,
+        mean_acceptance_length=window.mean_acceptance_length,
+        mean_tpot_s=window.tpot_s,
+        mean_ttft_s=window.ttft_s,
+        mean_e2e_s=window.e2e_s,
+        last_request_at=window.last_request_at,
+    )
+
+
 def _pool_out(service: Service, name: str, instances: list[InstanceOut]) -> PoolOut:
     """One pool: what runs (as vLLM shows it) beside what was pushed."""
     pool, loop = service.fleet.pools[name], service.loop
@@ -217,15 +234,19 @@ def build_router() -> APIRouter:
                 listed = placed.setdefault(name, [])
                 if instance not in listed and service.clock() - window.ts <= stale_after:
                     listed.append(instance)
+        scraped = bool({"scrape", "prometheus"} & set(settings.sources))
+        unscraped = "not scraped yet" if scraped else "not scraped (collect: gateway)"
+        now = service.clock()
         for name, pool in sorted(service.fleet.pools.items()):
             instances = []
             for url in placed.get(name, pool.instances):
                 window = newest.get((name, url)) or newest.get((name, url.rstrip("/")))
-                if window is not None and service.clock() - window.ts > stale_after:
-                    age = service.clock() - window.ts
+                if window is not None and now - window.ts > stale_after:
+                    age = now - window.ts
                     window = dataclasses.replace(
                         window, healthy=False, status=f"stale: newest window {age:.0f} s old"
                     )
+                relayed = loop.relayed.window(name, redact_url(url.rstrip("/")), now)
                 instances.append(
                     InstanceOut(
                         url=redact_url(url),
@@ -235,7 +256,8 @@ def build_router() -> APIRouter:
                         mean_acceptance_length=window.mean_acceptance_length if window else None,
                         arm=window.arm if window else None,
                         requests_running=window.requests_running if window else None,
-                        status=window.status if window else "not scraped yet",
+                        status=window.status if window else unscraped,
+                        gateway=_gateway_window(relayed) if relayed is not None else None,
                     )
                 )
             pools.append(_pool_out(service, name, instances))
@@ -277,6 +299,7 @@ def build_router() -> APIRouter:
                     estimates=estimates,
                     routed_requests=share.requests if share is not None else None,
                     explored_share=share.explored if share is not None else None,
+                    failover_share=share.failed_over if share is not None else None,
                 )
             )
         return PolicyOut(frozen=loop.frozen, leader=loop.is_leader, contexts=contexts)

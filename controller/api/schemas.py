@@ -171,8 +171,12 @@ class ContextPolicyOut(BaseModel):
     """Routing mode, on the leader: the context's requests finished since its arm last
     changed (or since this replica started leading); null otherwise."""
     explored_share: float | None = None
-    """Of ``routed_requests``, the share the gateway served with another arm than
+    """Of ``routed_requests``, the share the routing table sent to another arm than
     ``arm`` (exploration, probes, knee trials); null without requests."""
+    failover_share: float | None = None
+    """Of ``routed_requests``, the share the gateway served on another pool than the
+    routing table's because that pool could not take them (no instance up): failovers,
+    not in ``explored_share``; null without requests."""
 
 
 class PolicyOut(BaseModel):
@@ -183,6 +187,28 @@ class PolicyOut(BaseModel):
 
 class FrozenOut(BaseModel):
     frozen: bool
+
+
+class GatewayWindowOut(BaseModel):
+    """What the gateway measured of the requests it relayed to one instance over the
+    last ``window_s`` seconds (routing mode's evidence, ``controller.relayed``)."""
+
+    window_s: float
+    requests: int
+    arm: str | None
+    """The arm of the pool that served them."""
+    output_tokens: int
+    acceptance_rate: float | None
+    """vLLM's acceptance over these requests: accepted over draft tokens (null: none
+    drafted)."""
+    mean_acceptance_length: float | None
+    """Tokens emitted per verify step: 1 + accepted tokens / drafts."""
+    mean_tpot_s: float | None
+    """Time per output token after the first, as vLLM reported it, mean over requests."""
+    mean_ttft_s: float | None
+    mean_e2e_s: float | None
+    """What the client waited, as the gateway measured it, mean over requests."""
+    last_request_at: float
 
 
 class InstanceOut(BaseModel):
@@ -201,6 +227,9 @@ class InstanceOut(BaseModel):
     status: str | None = None
     """One line on why its newest window was no evidence (stale, failing scrape,
     restarted, idle); null when it was."""
+    gateway: GatewayWindowOut | None = None
+    """On the leader, where a gateway serves (routing mode): what the gateway measured
+    of the requests it relayed to the instance lately; null when it relayed none."""
 
 
 class PoolOut(BaseModel):

@@ -465,6 +465,9 @@ class Gateway:
                 return
             pool, instance, connection, head = attempt.answered()
             served, arm = pool.name, pool.arm
+            routed = fleet.pools.get(pool_name)
+            if routed is not None and routed is not pool and metrics is not None:
+                metrics.failover(pool_name, served)  # its own pool could not take it
             ok: bool | None = None  # no verdict on the instance when the client leaves
             try:
                 if streaming:
@@ -487,7 +490,10 @@ class Gateway:
                 if head.status >= 400:
                     _span_refused(span, head.status, str(head.status))
             if (self.sink is not None or span is not None) and head.status == 200:
-                self._observe(document, model, workload_class, pool, in_flight, started, span)
+                self._observe(
+                    document, model, workload_class, pool, in_flight, started, span,
+                    routed=routed, instance=instance,
+                )  # fmt: skip
         finally:
             fleet.end(model)
             if metrics is not None:
@@ -754,6 +760,9 @@ class Gateway:
         concurrency: int,
         started: float,
         span: Span | None = None,
+        *,
+        routed: Pool | None = None,
+        instance: Instance | None = None,
     ) -> None:
         try:
             parsed = json_object(document) if document is not None else None
@@ -767,6 +776,8 @@ class Gateway:
                 workload_class=workload_class,
                 pool=pool.name,
                 arm=pool.arm,
+                routed_arm=routed.arm if routed is not None else pool.arm,
+                instance=instance.display_url if instance is not None else None,
                 concurrency=concurrency,
                 finished_at=(finished := self._wall_clock()),
                 e2e_s=finished - started,

@@ -53,6 +53,14 @@ class GatewayMetrics:
             ["pool"],
             registry=registry,
         )
+        self.failovers = Counter(
+            "specpilot_gateway_failovers_total",
+            "Requests the routing table sent to a pool with no instance able to take them, "
+            "served by another pool of the model (pool: the table's, served_pool: the one "
+            "that answered): a failover, not an exploration.",
+            ["pool", "served_pool"],
+            registry=registry,
+        )
         self.added_latency = Histogram(
             "specpilot_gateway_added_latency_seconds",
             "Time the gateway itself added to a completed inference request: from having "
@@ -65,8 +73,13 @@ class GatewayMetrics:
         self._classes = frozenset(classes) if classes is not None else frozenset()
         self._children: dict[tuple[str, str, str, str], Counter] = {}
         self._retries: dict[str, Counter] = {}
+        self._failovers: dict[tuple[str, str], Counter] = {}
         for pool in fleet.pools.values():  # at 0, so that Prometheus' increase() sees the first
             self._retries[pool.name] = self.retries.labels(pool.name)
+            for other in fleet.pools.values():
+                if other.name != pool.name and other.model == pool.model:
+                    key = (pool.name, other.name)
+                    self._failovers[key] = self.failovers.labels(*key)
         self.version = 0
         """Counts the requests and retries counted: whether anything changed since."""
 
@@ -86,6 +99,15 @@ class GatewayMetrics:
         child = self._retries.get(pool)
         if child is None:
             child = self._retries[pool] = self.retries.labels(pool)
+        child.inc()
+        self.version += 1
+
+    def failover(self, pool: str, served_pool: str) -> None:
+        """One request routed to ``pool`` and served by ``served_pool`` instead."""
+        key = (pool, served_pool)
+        child = self._failovers.get(key)
+        if child is None:
+            child = self._failovers[key] = self.failovers.labels(*key)
         child.inc()
         self.version += 1
 

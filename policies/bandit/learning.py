@@ -61,6 +61,13 @@ def steps_taken(spec: SpecDecodeRequestStats, output_tokens: int | None) -> int 
     return max(spec.num_drafts, output_tokens - accepted)
 
 
+def _parsed(arm: str | None) -> Arm | None:
+    try:
+        return Arm.parse(arm) if arm else None
+    except ValueError:
+        return None
+
+
 class Learning:
     """Everything learned from evidence, with the bookkeeping that attributes it."""
 
@@ -103,9 +110,22 @@ class Learning:
             arm = Arm.parse(observation.arm) if observation.arm else OFF
         except ValueError:
             return None
-        moved = self.catch_up() + self.settle_concurrency(model, now)
+        # The request left its batch when it finished, not when its observation
+        # arrived: a gateway hands observations over in batches, up to a loop interval
+        # later, and counting a request in flight until then inflates every batch the
+        # policy believes it saw (in the demo's routing mode, a 40-stream rush read as
+        # 130 in flight and the knee as eight times higher than the engines' own). So
+        # the requests served before it finished are accounted for first, the ones
+        # served after it later.
+        end = now
+        if observation.finished_at is not None and observation.finished_at < now:
+            end = observation.finished_at
+        moved = self.catch_up(until=end) + self.settle_concurrency(model, end)
+        # A request a gateway failed over was counted on the arm it was routed to.
+        routed = _parsed(observation.routed_arm)
+        counted = routed if routed is not None else arm
+        self.tracker(model, counted).remove(counted, end)
         tracker = self.tracker(model, arm)
-        tracker.remove(arm, now)
         self._learn_cost(model, arm, observation, tracker, now)
         self._learn_mix(model, cls, observation, now)
         self.observations[model] = self.observations.get(model, 0) + 1
@@ -209,10 +229,14 @@ class Learning:
         self.served.append((context, arm, now))
         return self.catch_up() if len(self.served) >= _SERVED_BACKLOG else []
 
-    def catch_up(self) -> Moved:
-        """Account for the requests served since last time, in order."""
+    def catch_up(self, until: float | None = None) -> Moved:
+        """Account for the requests served since last time, in order (``until``: only
+        those served by then; the rest stay queued)."""
         moved: Moved = []
         served, self.served = self.served, []
+        if until is not None and any(at > until for _, _, at in served):
+            self.served = [event for event in served if event[2] > until]
+            served = [event for event in served if event[2] <= until]
         for context, arm, at in served:
             moved += self.settle_concurrency(context.model, at)
             self.tracker(context.model, arm).add(arm, at)

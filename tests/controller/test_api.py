@@ -6,9 +6,11 @@ service from the real policy engine and collectors, built elsewhere).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from collectors.observations import SpecDecodeRequestStats
 from controller.api import create_app
 from controller.contexts import Context
+from controller.ports import Collected
 from controller.service import Service, build_service
+from controller.settings import Settings
 from controller.store.records import AlertRecord, DecisionRecord, ObservationRecord
 from tests.controller.conftest import LiveServer, PgDatabase, make_settings
-from tests.controller.fakes import QueueSource, ScriptedPolicy
+from tests.controller.fakes import QueueSource, ScriptedPolicy, observation
+from tests.controller.test_settings_modes import routing
 
 RW, RO = "rw-secret", "ro-secret"
 WRITE = {"Authorization": f"Bearer {RW}"}
@@ -313,3 +319,49 @@ def test_fleet_shows_instance_urls_without_their_credentials(tmp_path: Path) -> 
     [instance] = response.json()["pools"][0]["instances"]
     assert instance["url"] == "http://ops:***@127.0.0.1:9"
     assert "s3cret" not in response.text
+
+
+def test_fleet_shows_per_instance_what_the_gateway_measured_in_routing_mode(
+    tmp_path: Path,
+) -> None:
+    """Routing mode scrapes nothing: each instance shows the requests the gateway
+    relayed to it (as the loop took them in), not "not scraped yet" for ever."""
+    settings = Settings(
+        data_dir=tmp_path / "data", classes=["code", "chat"], buckets=[1, 4], **routing()
+    )
+    source = QueueSource()
+    service = build_service(settings, ScriptedPolicy(settings.buckets), source)
+    now = time.time()
+    relayed = [
+        replace(
+            observation("ngram:4", 0.01, finished_at=now - 2 + i),
+            pool="fast",
+            instance="http://127.0.0.1:9002",
+            routed_arm="ngram:4",
+            e2e_s=1.5,
+            spec=SpecDecodeRequestStats(40, 160, 120 + i),
+        )
+        for i in range(3)
+    ]
+    source.batches.append(Collected(tuple(relayed)))
+    try:
+        asyncio.run(service.loop.start())
+        asyncio.run(service.loop.tick())
+        with (
+            LiveServer(create_app(settings, service, run_loop=False)) as server,
+            httpx.Client(base_url=server.url, timeout=10) as client,
+        ):
+            fleet = client.get("/v1/fleet").json()
+    finally:
+        service.close()
+    instances = {p["name"]: p["instances"][0] for p in fleet["pools"]}
+    fast, plain = instances["fast"], instances["plain"]
+    measured = fast["gateway"]
+    assert (measured["requests"], measured["arm"], measured["output_tokens"]) == (3, "ngram:4", 303)
+    assert measured["acceptance_rate"] == pytest.approx(363 / 480)
+    assert measured["mean_acceptance_length"] == pytest.approx(1 + 363 / 120)
+    assert measured["mean_tpot_s"] == pytest.approx(0.01)
+    assert measured["mean_e2e_s"] == pytest.approx(1.5)
+    assert measured["window_s"] == 60.0
+    assert fast["status"] == plain["status"] == "not scraped (collect: gateway)"
+    assert plain["gateway"] is None

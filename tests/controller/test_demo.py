@@ -103,7 +103,8 @@ def test_demo_runs_the_loop_and_a_second_start_continues(tmp_path: Path) -> None
     for buckets in tables:
         assert buckets == sorted(buckets, key=order.index), output
     selected_first = selected(data_dir)
-    assert isinstance(selected_first, int) and selected_first > 50
+    # Twelve seconds at 2 streams of answers a few hundred tokens long: a few dozen.
+    assert isinstance(selected_first, int) and selected_first > 20
 
     second = run_demo(data_dir, free_port(), seconds=3)
     output, _ = second.communicate(timeout=120)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -524,6 +525,46 @@ def test_routed_share_counts_the_requests_finished_since_the_arm_changed(tmp_pat
         harness.tick(1012.0)
         share = harness.loop.routes[CODE_LOW]
         assert (share.requests, share.elsewhere) == (4, 1)
+    finally:
+        harness.close()
+
+
+def test_a_failover_is_counted_and_logged_as_one_not_as_exploration(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request the table routed to n-gram that the gateway served on the off pool
+    (n-gram's had no instance up) is a failover: ``failover_share``, its metric and an
+    action line say so, and ``explored_share`` holds only what the table explored."""
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        classes=["code", "chat"],
+        buckets=[1, 4],
+        policy={"min_dwell_s": 0},
+        **routing(),
+    )
+    harness = Harness(settings)
+    try:
+        harness.tick(1000.0)
+        harness.policy.script[CODE_LOW] = "ngram:4"
+        harness.tick(1010.0)
+        served = [observation("ngram:4", 0.01, finished_at=1010.5 + i) for i in range(2)]
+        explored = replace(observation("off", 0.02, finished_at=1011.0), routed_arm="off")
+        failed_over = replace(
+            observation("off", 0.02, finished_at=1011.5), routed_arm="ngram:4", pool="plain"
+        )
+        harness.source.batches.append(Collected((*served, explored, failed_over)))
+        with caplog.at_level(logging.INFO, logger="specpilot.actions"):
+            harness.tick(1012.0)
+        share = harness.loop.routes[CODE_LOW]
+        assert (share.requests, share.elsewhere, share.failovers) == (4, 1, 1)
+        assert (share.explored, share.failed_over) == (0.25, 0.25)
+        labels = {"model_name": "m", "workload_class": "code", "bucket": "1-3"}
+        registry = harness.service.metrics.registry
+        assert registry.get_sample_value("specpilot_context_failover_ratio", labels) == 0.25
+        assert registry.get_sample_value("specpilot_context_explored_ratio", labels) == 0.25
+        (line,) = [r for r in caplog.records if getattr(r, "action", None) == "failover"]
+        assert line.levelno == logging.WARNING
+        assert line.fields == {"routed_arm": "ngram:4", "served_pool": "plain", "requests": 1}
     finally:
         harness.close()
 

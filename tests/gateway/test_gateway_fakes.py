@@ -12,10 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from bench.gateway import FIXTURES, ReplayUpstream, sse_events
 from controller.gateway.app import Gateway
 from controller.gateway.routing import EjectionPolicy, Fleet, Pool, RouteKey, StaticRoutingTable
+from controller.gateway.table import Route, SampledRouting
 from testbed.server import free_port
 from tests.gateway.conftest import LoopThread, RunningGateway, wait_until
 
@@ -211,6 +213,44 @@ def test_classifier_and_routing_table_pick_the_pool(
     # The header decides alone: the classifier was not asked the last time.
     assert len(seen) == 4
     assert seen[0][1]["prompt"] == "def f(" and "content-type" in seen[0][0]
+
+
+def test_a_request_its_routed_pool_cannot_take_is_a_failover_observed_as_one(
+    loop_thread: LoopThread, run_gateway: Callable[[Gateway], RunningGateway]
+) -> None:
+    """The routing table sends code to n-gram, whose one instance is dead: the off pool
+    serves it. The observation says where the table sent it (``routed_arm``) beside
+    where it was served, and which instance served it; the failover is counted."""
+    off_replay, off_url = start_replay(loop_thread)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    fleet = Fleet(
+        [Pool("off", "off", [off_url], model="tiny-llama"),
+         Pool("ngram", "ngram:4", [dead], model="tiny-llama")],
+        clock=FakeClock(),
+    )  # fmt: skip
+    routed: list[tuple[str, str]] = []
+    table = SampledRouting(
+        {"off": "off", "ngram:4": "ngram"},
+        default_model="tiny-llama",
+        on_routed=lambda model, cls, bucket, arm, reason: routed.append((arm, reason)),
+    )
+    table.replace({RouteKey("tiny-llama", "code", "1"): Route("ngram:4", "best")})
+    gateway = Gateway(fleet, routing=table)
+    registry = CollectorRegistry()
+    gateway.count_on(registry)
+    running = run_gateway(gateway)
+
+    stream_text(running.base_url, STREAM_BODY, **{"X-Workload-Class": "code"})
+    stream_text(running.base_url, STREAM_BODY, **{"X-Workload-Class": "chat"})
+    assert off_replay.requests == 2
+    assert routed == [("ngram:4", "best"), ("off", "learning")]
+    failed_over, plain = running.wait_observations(2)
+    assert (failed_over.arm, failed_over.routed_arm, failed_over.pool) == ("off", "ngram:4", "off")
+    assert (plain.arm, plain.routed_arm) == ("off", "off")
+    assert failed_over.instance == plain.instance == off_url
+    count = registry.get_sample_value
+    assert count("specpilot_gateway_failovers_total", {"pool": "ngram", "served_pool": "off"}) == 1
+    assert count("specpilot_gateway_failovers_total", {"pool": "off", "served_pool": "ngram"}) == 0
 
 
 def start_endless_upstream(loop_thread: LoopThread) -> tuple[dict[str, int], str]:
