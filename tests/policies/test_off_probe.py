@@ -16,6 +16,7 @@ from tests.policies.test_window_evidence import (
     NGRAM4,
     Clock,
     as_window,
+    off_window,
     policy,
     requests,
 )
@@ -31,26 +32,6 @@ def spec_window(
     rng: np.random.Generator, conditionals: tuple[float, ...], at: float
 ) -> WindowObservation:
     return as_window(requests(rng, 20, conditionals, SPEC_STEP_S), at, SPEC_STEP_S)
-
-
-def off_window(at: float) -> WindowObservation:
-    """A window of the pool once it runs off: plain steps, no spec-decode series."""
-    return WindowObservation(
-        model="m",
-        started_at=at - 15,
-        finished_at=at,
-        duration_s=15.0,
-        requests=20.0,
-        generation_tokens=600.0,
-        drafts=0.0,
-        draft_tokens=0.0,
-        accepted_per_position=(),
-        step_s=0.02,
-        tpot_s=0.02,
-        running=1.0,
-        workload_class="code",
-        arm="off",
-    )
 
 
 def turned_off(

@@ -91,6 +91,26 @@ def as_window(
     )
 
 
+def off_window(at: float) -> WindowObservation:
+    """A window of the pool once it runs off: plain steps, no spec-decode series."""
+    return WindowObservation(
+        model=MODEL,
+        started_at=at - 15,
+        finished_at=at,
+        duration_s=15.0,
+        requests=20.0,
+        generation_tokens=600.0,
+        drafts=0.0,
+        draft_tokens=0.0,
+        accepted_per_position=(),
+        step_s=0.02,
+        tpot_s=0.02,
+        running=1.0,
+        workload_class=CLASS,
+        arm="off",
+    )
+
+
 def policy(clock: Clock, **config: object) -> SpecPilotPolicy:
     return SpecPilotPolicy(
         [Arm("ngram", g) for g in range(1, 5)],
@@ -162,22 +182,7 @@ def test_an_off_pool_does_not_start_speculating_on_priors() -> None:
     context = Context(MODEL, CLASS, "1")
     for _ in range(10):
         clock.now += 15.0
-        window = WindowObservation(
-            model=MODEL,
-            started_at=clock.now - 15,
-            finished_at=clock.now,
-            duration_s=15.0,
-            requests=20.0,
-            generation_tokens=600.0,
-            drafts=0.0,
-            draft_tokens=0.0,
-            accepted_per_position=(),
-            step_s=0.02,
-            tpot_s=0.02,
-            running=1.0,
-            workload_class=CLASS,
-            arm="off",
-        )
+        window = off_window(clock.now)
         push.observe_window(window)
         assert push.decide(context, running=OFF).arm == OFF
 
