@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -55,6 +56,9 @@ from controller.store.db import StoreLost, is_unavailable
 from controller.store.records import OverrideRecord, Scope
 from controller.urls import redact_url
 
+DOCS_ASSETS = "/docs-assets"
+"""Where ``/docs`` and ``/redoc`` load Swagger UI and ReDoc from: files of the
+``fastapi-offline`` package, served here, since a cluster may have no internet."""
 MAX_ID = 2**63 - 1
 NO_NUL = r"^[^\x00]*$"
 """PostgreSQL text cannot hold NUL; a filter with one would be a 500 instead of a 422."""
@@ -524,11 +528,12 @@ def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -
             stop.set()
             await task
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="specpilot",
         version="1",
         description="Speculative-decoding control for vLLM fleets.",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS,
     )
     app.state.service = service
     app.state.settings = settings
