@@ -159,21 +159,9 @@ class BanditControlPolicy:
             )
 
     def estimates(self, context: Context) -> Sequence[ArmEstimate]:
-        believed = self.policy.estimates()
-        committed = next(
-            (
-                c
-                for c in believed["contexts"]
-                if (c["model"], c["workload_class"], c["bucket"])
-                == (context.model, context.workload_class, context.bucket)
-            ),
-            None,
-        )
-        acceptance = {
-            a["proposer"]: a
-            for a in believed["acceptance"]
-            if (a["model"], a["workload_class"]) == (context.model, context.workload_class)
-        }
+        believed = self.policy.context_estimates(context)
+        committed = believed["context"]
+        acceptance = {a["proposer"]: a for a in believed["acceptance"]}
         estimates = []
         for arm in self.policy.arms:
             seen = acceptance.get(arm.proposer) if arm.proposer else None

@@ -246,6 +246,10 @@ def build_router() -> APIRouter:
 
     @v1.get("/policy", response_model=PolicyOut, response_model_by_alias=True)
     async def policy(service: ServiceDep) -> PolicyOut:
+        """Per context: the arm it runs, the arm decided and by whom, and the policy's
+        estimates as of the control loop's last iteration."""
+        # Read from what the loop published, never asked of the policy: it may be busy
+        # planning in the loop's worker thread, and the API must not wait for it.
         loop, now = service.loop, service.clock()
         book = loop.alerts.book
         pins: dict[Any, OverrideRecord] = {}
@@ -260,7 +264,7 @@ def build_router() -> APIRouter:
             decided = loop.arms.get(context) or service.fleet.running_arm(context)
             estimates = [
                 _estimate(e, book.of_arm(context.model, context.workload_class, e.arm))
-                for e in service.policy.estimates(context)
+                for e in loop.estimates.get(context, ())
             ]
             changed = loop.changed_at.get(context)
             share = loop.routes.get(context) if loop.is_leader and service.fleet.routing else None

@@ -74,6 +74,48 @@ def test_decisions_stay_among_allowed_arms_and_pins_win(
     assert control.decide(context, allowed, current="off").reason != "override"
 
 
+def test_one_contexts_estimates_are_what_the_whole_read_out_says_of_it(
+    policy: tuple[BanditControlPolicy, Clock],
+) -> None:
+    """``estimates(context)`` (``/v1/policy``, every iteration, per context) reads its
+    own context's commitment and class, not the whole policy each time: the same
+    figures as ``SpecPilotPolicy.estimates()``."""
+    control, clock = policy
+    learned = Context("m", "code", "1-3")
+    for _ in range(120):
+        clock.now += 1.0
+        arm = str(control.policy.select(learned))
+        control.observe(code_request(arm, clock.now, tpot_s=0.010 if arm == "off" else 0.006))
+    contexts = [Context("m", c, b) for c in ("code", "chat") for b in ("1-3", "4+")]
+    for context in contexts:
+        control.decide(context, ["off", "ngram:4"], current="off")
+    whole = control.policy.estimates()
+    assert whole["contexts"] and whole["acceptance"]
+    for context in contexts:
+        committed = next(
+            (
+                c
+                for c in whole["contexts"]
+                if (c["workload_class"], c["bucket"]) == (context.workload_class, context.bucket)
+            ),
+            None,
+        )
+        seen = {
+            a["proposer"]: a
+            for a in whole["acceptance"]
+            if a["workload_class"] == context.workload_class
+        }
+        for estimate in control.estimates(context):
+            arm = Arm.parse(estimate.arm)
+            on_it = committed is not None and committed["arm"] == estimate.arm
+            assert estimate.speedup == (committed["predicted_speedup"] if on_it else None)
+            expected = seen.get(arm.proposer) if arm.proposer else None
+            assert estimate.observations == (int(expected["requests"]) if expected else 0)
+            assert estimate.first_position_acceptance == (
+                expected["first_position_acceptance"] if expected else None
+            )
+
+
 def test_learned_state_survives_a_new_process(
     policy: tuple[BanditControlPolicy, Clock], tmp_path: Path
 ) -> None:
