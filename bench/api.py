@@ -293,7 +293,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     goal = tuple(args.paths)
     paths = (*goal, FLOOR) if FLOOR not in goal else goal
     spawn = multiprocessing.get_context("spawn")
-    load_s = args.warmup_s + args.seconds + 30.0
+    load_s = args.warmup_s + args.seconds + 2.0  # the loaded probe ends within it
     scenario = scenario_data(args.classes, load_s * args.speed, args.streams)
     ours, theirs = spawn.Pipe()
     load = spawn.Process(target=_fleet_and_load, args=(scenario, args.speed, theirs), daemon=True)

@@ -5,6 +5,7 @@ the loop published."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -137,3 +138,26 @@ def test_serve_answers_without_waiting_for_acks(host: str) -> None:
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_bench_api_runs_the_service_and_writes_both_phases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``specpilot bench api`` end to end, briefly: the real ``serve`` over a simulated
+    fleet, idle then loaded, each path measured in both."""
+    from bench import api
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--classes", "2", "--streams", "4", "--seconds", "2", "--warmup-s", "2"]
+    assert api.main(argv) == 0
+    result = json.loads((tmp_path / api.RESULT).read_text())
+    assert result["contexts"] == 2 * 6
+    for phase in ("idle", "loaded"):
+        for path in (*api.PATHS, api.FLOOR):
+            figures = result[phase][path]
+            assert figures["requests"] > 0 and figures["errors"] == 0, (phase, path)
+            assert figures["p50_ms"] <= figures["p99_ms"]
+    assert result["traffic"]["completed"] > 0
+    assert result["loop"]["loaded"]["observations"] > 0
+    assert set(result["ratios"]) == {*api.PATHS, api.FLOOR}
+    assert "p99 load/idle" in capsys.readouterr().out
