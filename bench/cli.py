@@ -18,6 +18,7 @@ BENCHMARKS: tuple[str, ...] = (
     "bench.sidecar",
     "bench.classifier",
     "bench.scale",
+    "bench.api",
 )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import socket
@@ -167,7 +168,7 @@ async def run_demo(args: Any) -> int:
         return 1
     control, front = runtime.service.policy, runtime.gateway
     assert isinstance(control, BanditControlPolicy) and front is not None
-    api_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    api_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # no Nagle
     api_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     api_sock.bind((settings.api.host, settings.api.port))
     await runtime.start(api_sock, _free_socket(), log_level="warning")
@@ -198,8 +199,10 @@ async def run_demo(args: Any) -> int:
     try:
         while not load.done():
             await asyncio.wait({load}, timeout=2.0 if interactive else 10.0)
-            table = render(
-                control.policy, front.seen, scenario, time.monotonic() - started, args.speed
+            # In turn with the loop, which plans in its worker thread meanwhile.
+            seen, elapsed = set(front.seen), time.monotonic() - started
+            table = await runtime.service.loop.consult(
+                functools.partial(render, control.policy, seen, scenario, elapsed, args.speed)
             )
             print(("\x1b[H\x1b[J" if interactive else "") + table + "\n", flush=True)
         report = load.result()

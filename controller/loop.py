@@ -21,21 +21,30 @@ One iteration (``tick``) on the leader:
 A follower only reloads state from the store (the newest snapshot, decisions, the
 freeze flag), so its API serves fresh reads and a take-over starts warm.
 
-Store calls run in worker threads so the API shares the event loop undisturbed. A
-store that cannot be reached does not stop the loop: reads fall back to what was last
-read, writes wait in the bounded ``BufferedWriter``.
+Store calls run in worker threads so the API shares the event loop undisturbed, and so
+does the policy's work (learning, planning and deciding take seconds under load): every
+call into the policy and every store read runs, one at a time and in order, in the
+loop's own worker thread (``_think``; ``consult`` for anyone else), while the iteration
+waits for it and the event loop serves the API. What the API shows of the policy is
+what the loop published at the end of its last iteration (``estimates``); the loop's
+own tables (arms, actors, overrides) it reads live. A store that cannot be reached does
+not stop the loop: reads fall back to what was last read, writes wait in the bounded
+``BufferedWriter``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_args
 
@@ -56,7 +65,15 @@ from controller.instances import SEVERITY as INSTANCE_DOWN_SEVERITY
 from controller.notify import notifier_from
 from controller.override_pools import OVERRIDE_POOL_DOWN, OverridePools, PinnedPools
 from controller.override_pools import SEVERITY as OVERRIDE_POOL_DOWN_SEVERITY
-from controller.ports import ArmChoice, Collected, ControlPolicy, ObservationSource, Route, Routed
+from controller.ports import (
+    ArmChoice,
+    ArmEstimate,
+    Collected,
+    ControlPolicy,
+    ObservationSource,
+    Route,
+    Routed,
+)
 from controller.relayed import RelayedWindows
 from controller.running import Push, PushState, RunningConfigs
 from controller.settings import Settings
@@ -110,6 +127,8 @@ ALERT_NAMES = (
 NOT_RUNNABLE = "not_runnable"
 MIN_DWELL = "min_dwell"
 PUSH_OK, PUSH_ERROR = "ok", "error"
+SWITCH_INTERVAL_S = 0.001
+"""How long the policy's thread may hold the GIL while the event loop waits for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +293,11 @@ class ControlLoop:
             settings.alerting.instance_down_after_s or 3 * settings.scrape_interval_s
         )
         """Overrides whose pool has no instance up (``controller.override_pools``)."""
+        self.estimates: Mapping[Context, Sequence[ArmEstimate]] = {}
+        """The policy's estimates per context as of the end of the last iteration (what
+        ``/v1/policy`` shows): replaced whole, never changed in place."""
+        self._lane: ThreadPoolExecutor | None = None
+        """The one worker thread the policy and the store reads run in (``_think``)."""
 
     # -- store access that survives outages ---------------------------------------------
 
@@ -283,10 +307,35 @@ class ControlLoop:
         self._frozen_sets += 1
         self.metrics.frozen.set(1 if frozen else 0)
 
+    async def _think(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (a call into the policy, a store read) in the loop's worker
+        thread, after whatever runs there already: the event loop stays free for the API
+        and the gateway while the policy plans, and the policy is never used by two
+        threads at once."""
+        if self._lane is None:
+            self._lane = ThreadPoolExecutor(1, thread_name_prefix="specpilot-policy")
+            # The policy's work is pure Python that holds the GIL; the event loop wakes
+            # for each request and waits for the GIL up to the switch interval each time
+            # (5 ms by default: tens of ms per API request while the policy plans).
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        return await asyncio.get_running_loop().run_in_executor(self._lane, work)
+
+    async def consult(self, question: Callable[[], T]) -> T:
+        """Ask the policy something from outside the loop (a live table, a test): in
+        turn with the loop's own use of it, in its worker thread. Never call the policy
+        directly while the loop runs."""
+        return await self._think(question)
+
+    def _estimates(self) -> dict[Context, tuple[ArmEstimate, ...]]:
+        return {context: tuple(self.policy.estimates(context)) for context in self.fleet.contexts}
+
+    async def _publish_estimates(self) -> None:
+        self.estimates = await self._think(self._estimates)
+
     async def _read(self, read: Callable[[], T], fallback: T) -> T:
-        """Run a store read in a thread; on an outage return ``fallback``."""
+        """Run a store read in the loop's worker thread; on an outage return ``fallback``."""
         try:
-            value = await asyncio.to_thread(read)
+            value = await self._think(read)
         except Exception as exc:
             if not is_unavailable(exc):
                 raise
@@ -390,7 +439,7 @@ class ControlLoop:
 
     async def start(self) -> None:
         """Restore from the store (the store was reachable at open)."""
-        await asyncio.to_thread(self._load)
+        await self._think(self._load)
         unresolved = await asyncio.to_thread(
             lambda: self.store.alerts(limit=1000, unresolved_only=True)
         )
@@ -414,7 +463,8 @@ class ControlLoop:
             a.context for a in unresolved if a.name == EXACTNESS_BROKEN and a.context
         } - self._exactness_firing
         self.metrics.frozen.set(1 if self.frozen else 0)
-        self._publish_routes()
+        await self._publish_routes()
+        await self._publish_estimates()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Iterate every scrape interval until ``stop`` is set, then shut down cleanly."""
@@ -467,7 +517,7 @@ class ControlLoop:
         """Save the learned state, flush buffered writes and close the actuators (a
         managed one stops the vLLM processes it started); SIGTERM ends here."""
         if self.is_leader:
-            state, now = self.policy.state_dict(), self.clock()
+            state, now = await self._think(self.policy.state_dict), self.clock()
             await self._write(Store.save_snapshot, now, state, key=SNAPSHOT_WRITE)
         if self._pushing is not None and not self._pushing.done():
             # A restart in progress: the actuators' close stops what it started.
@@ -488,6 +538,9 @@ class ControlLoop:
         await self.notifier.aclose()
         await asyncio.to_thread(self.leadership.release)
         self.is_leader = False
+        if self._lane is not None:
+            self._lane.shutdown(wait=False)
+            self._lane = None
 
     # -- one iteration -------------------------------------------------------------------
 
@@ -510,7 +563,8 @@ class ControlLoop:
             await self._read(self._load, None)
             await self._hand_over(now)
             await self._actuate_here()
-            self._publish_routes()
+            await self._publish_routes()
+            await self._publish_estimates()
             self.last_tick_at = now
             return
         if not was_leader:
@@ -523,7 +577,7 @@ class ControlLoop:
         for seen in collected.instances:
             self.running.see(seen)
         await self._settle_pushes()
-        self._count_routed(collected.routed)
+        await self._think(functools.partial(self._count_routed, collected.routed))
         handed, handed_windows = await self._handed_over()
         observations = [*collected.observations, *handed]
         windows = [*collected.window_observations, *handed_windows]
@@ -536,10 +590,7 @@ class ControlLoop:
             self.frozen = stored
         self.metrics.frozen.set(1 if self.frozen else 0)
         if not self.frozen:
-            for observation in observations:
-                self.policy.observe(observation)
-            for window in windows:
-                self.policy.observe_window(window)
+            await self._think(functools.partial(self._learn, observations, windows))
         if self.fleet.routing:
             self._tally_routes(observations)
         self.relayed.add(observations)
@@ -554,12 +605,11 @@ class ControlLoop:
         self._log_overrides(now)
         self.metrics.overrides_active.set(len(self.overrides))
         pins = await self._pins(self.overrides, now)
-        self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
+        targets = await self._think(functools.partial(self._targets, pins, now))
         await self._judge_override_pools(pins, now)
 
         decisions = []
-        for context in self.fleet.contexts:
-            target = self._target(context, pins.get(context), now)
+        for context, target in targets:
             if target is not None and target.arm != self.arms.get(context):
                 decisions.append(self._decision(context, target, now))
         for decision in decisions:
@@ -575,7 +625,7 @@ class ControlLoop:
                     "specpilot.decisions": len(decisions),
                 }
             )
-        self._publish_routes()
+        await self._publish_routes()
         await self._actuate([d.context for d in decisions])
         await self._judge_losing(now)
         self._publish_contexts()
@@ -585,13 +635,35 @@ class ControlLoop:
         await self._measure(now)
         await self._snapshot(now)
         await self._housekeeping(now)
+        await self._publish_estimates()
         self.last_tick_at = now
+
+    def _learn(
+        self, observations: Sequence[RequestObservation], windows: Sequence[WindowObservation]
+    ) -> None:
+        """Teach the policy what was collected (in the loop's worker thread)."""
+        for observation in observations:
+            self.policy.observe(observation)
+        for window in windows:
+            self.policy.observe_window(window)
+
+    def _targets(
+        self, pins: Mapping[Context, Pin], now: float
+    ) -> list[tuple[Context, Target | None]]:
+        """Every context's target, in the loop's worker thread (deciding plans). The
+        iteration waits for it, so it may change the loop's tables as the iteration's
+        own code does: the API, running meanwhile, only looks single values up in them."""
+        self.policy.set_pins({context: pin.arm for context, pin in pins.items()})
+        return [
+            (context, self._target(context, pins.get(context), now))
+            for context in self.fleet.contexts
+        ]
 
     async def _raise_drift(self) -> None:
         """Every drift the policy detected becomes an ``AcceptanceDrift`` alert; one whose
         acceptance recovered is resolved."""
         raised = []
-        for event in self.policy.drift():
+        for event in await self._think(self.policy.drift):
             alert = self.alerts.drifted(event)
             if alert is not None:
                 await self._record(alert)
@@ -673,7 +745,7 @@ class ControlLoop:
             return
         collect = getattr(self.source, "collect_exclusive", self.source.collect)
         collected = await self._collect_and_probe(collect())
-        self._count_routed(collected.routed)
+        await self._think(functools.partial(self._count_routed, collected.routed))
         handed = [o.to_json() for o in collected.observations]
         handed += [{WINDOW_KEY: w.to_json()} for w in collected.window_observations]
         if handed:
@@ -688,11 +760,14 @@ class ControlLoop:
         for request in routed:
             self.policy.routed(request)
 
-    def _publish_routes(self) -> None:
+    async def _publish_routes(self) -> None:
         """Routing mode: each context's route (an arm no pool runs goes to the off pool)
         for the gateway's workers, who route by it until the next iteration's."""
         if self.routes_to is None:
             return
+        self.routes_to(await self._think(self._routing_table))
+
+    def _routing_table(self) -> dict[Context, Route]:
         routed_arm = self.fleet.routed_arm
         table = {}
         for context in self.fleet.contexts:
@@ -704,7 +779,7 @@ class ControlLoop:
                 if routed_arm(other) != arm
             )
             table[context] = Route(arm, route.reason, explore)
-        self.routes_to(table)
+        return table
 
     @property
     def _source_is_exclusive(self) -> bool:
@@ -1261,7 +1336,7 @@ class ControlLoop:
         if now - self._snapshot_ts < self.settings.store.snapshot_interval_s:
             return
         self._snapshot_ts = now
-        state = self.policy.state_dict()
+        state = await self._think(self.policy.state_dict)
         await self._write(Store.save_snapshot, now, state, droppable=True, key=SNAPSHOT_WRITE)
 
     async def _housekeeping(self, now: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -69,7 +70,9 @@ def _log_start(settings: Settings) -> None:
 def _listen(host: str, port: int) -> socket.socket:
     """A bound socket, so that a port in use is a one-line error before anything starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off only on the connections of
+    # a socket that says TCP, and with it on each answer waited ~40 ms for an ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -194,6 +197,10 @@ async def _run(
     clean = False
     try:
         await runtime.start(api_socket)
+        # What is built by now lives as long as the process: out of the collector's
+        # full passes, which stop every thread, the API's too (0.2-0.8 s under load).
+        gc.collect()
+        gc.freeze()
         if stopping.is_set():  # a signal while it started
             runtime.stop_serving()
         clean = await runtime.wait()

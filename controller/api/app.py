@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -58,6 +59,9 @@ from controller.store.db import StoreLost, is_unavailable
 from controller.store.records import OverrideRecord, Scope
 from controller.urls import redact_url
 
+DOCS_ASSETS = "/docs-assets"
+"""Where ``/docs`` and ``/redoc`` load Swagger UI and ReDoc from: files of the
+``fastapi-offline`` package, served here, since a cluster may have no internet."""
 MAX_ID = 2**63 - 1
 NO_NUL = r"^[^\x00]*$"
 """PostgreSQL text cannot hold NUL; a filter with one would be a 500 instead of a 422."""
@@ -265,6 +269,10 @@ def build_router() -> APIRouter:
 
     @v1.get("/policy", response_model=PolicyOut, response_model_by_alias=True)
     async def policy(service: ServiceDep) -> PolicyOut:
+        """Per context: the arm it runs, the arm decided and by whom, and the policy's
+        estimates as of the control loop's last iteration."""
+        # Read from what the loop published, never asked of the policy: it may be busy
+        # planning in the loop's worker thread, and the API must not wait for it.
         loop, now = service.loop, service.clock()
         book = loop.alerts.book
         pins: dict[Any, OverrideRecord] = {}
@@ -279,7 +287,7 @@ def build_router() -> APIRouter:
             decided = loop.arms.get(context) or service.fleet.running_arm(context)
             estimates = [
                 _estimate(e, book.of_arm(context.model, context.workload_class, e.arm))
-                for e in service.policy.estimates(context)
+                for e in loop.estimates.get(context, ())
             ]
             changed = loop.changed_at.get(context)
             share = loop.routes.get(context) if loop.is_leader and service.fleet.routing else None
@@ -557,11 +565,12 @@ def create_app(settings: Settings, service: Service, *, run_loop: bool = True) -
             stop.set()
             await task
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="specpilot",
         version="1",
         description="Speculative-decoding control for vLLM fleets.",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS,
     )
     app.state.service = service
     app.state.settings = settings

@@ -12,7 +12,7 @@ import numpy as np
 
 from collectors.observations import RequestObservation, WindowObservation
 from policies.arms import OFF, Arm, Context, sorted_arms
-from policies.bandit.commitment import Commitments
+from policies.bandit.commitment import Commitments, _Commitment
 from policies.bandit.config import (
     DEFAULT_MODEL,
     WILDCARD,
@@ -360,32 +360,12 @@ class SpecPilotPolicy:
         """What the policy believes, JSON-able, for ``GET /v1/policy``."""
         self._catch_up()
         contexts = [
-            {
-                "model": ctx.model,
-                "workload_class": ctx.workload_class,
-                "bucket": ctx.bucket,
-                "arm": str(c.arm),
-                "reason": c.reason,
-                "since_s": c.since if math.isfinite(c.since) else None,
-                "predicted_speedup": c.speedup,
-                "interval": list(c.interval) if c.interval else None,
-            }
-            for ctx, c in sorted(self.commitment.commitments.items())
+            self._commitment_entry(ctx, c) for ctx, c in sorted(self.commitment.commitments.items())
         ]
-        acceptance = []
-        for (model, cls, proposer), estimate in sorted(self.learning.acceptance.items()):
-            conditionals = estimate.mean_conditionals()
-            expected = AcceptanceModel.expected_tokens(conditionals)
-            acceptance.append(
-                {
-                    "model": model,
-                    "workload_class": cls,
-                    "proposer": proposer,
-                    "first_position_acceptance": float(conditionals[0]),
-                    "expected_tokens": {str(g): float(expected[g]) for g in self.gammas[proposer]},
-                    "requests": estimate.requests,
-                }
-            )
+        acceptance = [
+            self._acceptance_entry(key, estimate)
+            for key, estimate in sorted(self.learning.acceptance.items())
+        ]
         costs = []
         for model, cost_model in sorted(self.learning.cost.items()):
             if not cost_model.ready:
@@ -426,6 +406,34 @@ class SpecPilotPolicy:
             ],
             "change_events": [asdict(e) for e in self.change_events],
             "explore_fraction": self.explore_fraction,
+        }
+
+    @staticmethod
+    def _commitment_entry(ctx: Context, c: _Commitment) -> dict[str, Any]:
+        return {
+            "model": ctx.model,
+            "workload_class": ctx.workload_class,
+            "bucket": ctx.bucket,
+            "arm": str(c.arm),
+            "reason": c.reason,
+            "since_s": c.since if math.isfinite(c.since) else None,
+            "predicted_speedup": c.speedup,
+            "interval": list(c.interval) if c.interval else None,
+        }
+
+    def _acceptance_entry(
+        self, key: tuple[str, str, str], estimate: AcceptanceModel
+    ) -> dict[str, Any]:
+        model, cls, proposer = key
+        conditionals = estimate.mean_conditionals()
+        expected = AcceptanceModel.expected_tokens(conditionals)
+        return {
+            "model": model,
+            "workload_class": cls,
+            "proposer": proposer,
+            "first_position_acceptance": float(conditionals[0]),
+            "expected_tokens": {str(g): float(expected[g]) for g in self.gammas[proposer]},
+            "requests": estimate.requests,
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -261,6 +262,28 @@ def test_metrics_are_specpilot_own_in_base_units(api: Api) -> None:
     ]
     assert requests and requests[0].labels["status"] == "200"
     assert "specpilot_loop_iteration_duration_seconds" in families
+
+
+ASSET_TYPES = {".js": "javascript", ".css": "text/css", ".png": "image/png"}
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_load_nothing_from_another_host(api: Api, page: str) -> None:
+    """Clusters often have no internet: every script, style sheet and icon the docs
+    pages reference is served by specpilot itself, with its content type."""
+    html = api.client.get(page).text
+    referenced = re.findall(r'(?:src|href)\s*[=:]\s*["\']([^"\']+)["\']', html)
+    referenced += re.findall(r"url\s*:\s*[\"']([^\"']+)[\"']", html)
+    assets = [url for url in referenced if url.rsplit(".", 1)[-1] in ("js", "css", "png")]
+    assert assets, html
+    external = [url for url in referenced if re.match(r"(?:https?:)?//", url)]
+    assert external == []
+    for url in assets:
+        response = api.client.get(url)
+        assert response.status_code == 200, url
+        kind = ASSET_TYPES["." + url.rsplit(".", 1)[-1]]
+        assert kind in response.headers["content-type"], (url, response.headers)
+        assert len(response.content) > 1000, url
 
 
 def test_openapi_is_published_with_the_v1_paths(api: Api) -> None:

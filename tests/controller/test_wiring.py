@@ -74,6 +74,46 @@ def test_decisions_stay_among_allowed_arms_and_pins_win(
     assert control.decide(context, allowed, current="off").reason != "override"
 
 
+def test_one_contexts_estimates_are_its_predictions_and_its_class_acceptance(
+    policy: tuple[BanditControlPolicy, Clock],
+) -> None:
+    """``estimates(context)`` (``/v1/policy``, every iteration, per context) reads its
+    own context's predictions and class, not the whole policy each time: every arm's
+    predicted speed-up as the bucket's plan has it, and the class's acceptance as
+    ``SpecPilotPolicy.estimates()`` says."""
+    control, clock = policy
+    learned = Context("m", "code", "1-3")
+    for _ in range(120):
+        clock.now += 1.0
+        arm = str(control.policy.select(learned))
+        control.observe(code_request(arm, clock.now, tpot_s=0.010 if arm == "off" else 0.006))
+    contexts = [Context("m", c, b) for c in ("code", "chat") for b in ("1-3", "4+")]
+    for context in contexts:
+        control.decide(context, ["off", "ngram:4"], current="off")
+    whole = control.policy.estimates()
+    assert whole["acceptance"]
+    predicted_any = False
+    for context in contexts:
+        predictions = control.policy.predictions(context)
+        seen = {
+            a["proposer"]: a
+            for a in whole["acceptance"]
+            if a["workload_class"] == context.workload_class
+        }
+        for estimate in control.estimates(context):
+            arm = Arm.parse(estimate.arm)
+            predicted = predictions.get(arm)
+            assert estimate.speedup == (predicted.speedup if predicted else None)
+            assert estimate.speedup_interval == (predicted.interval if predicted else None)
+            predicted_any |= predicted is not None
+            expected = seen.get(arm.proposer) if arm.proposer else None
+            assert estimate.observations == (int(expected["requests"]) if expected else 0)
+            assert estimate.first_position_acceptance == (
+                expected["first_position_acceptance"] if expected else None
+            )
+    assert predicted_any
+
+
 def test_learned_state_survives_a_new_process(
     policy: tuple[BanditControlPolicy, Clock], tmp_path: Path
 ) -> None:

@@ -111,9 +111,14 @@ def run_loop(vllm_servers: VllmServers, tmp_path: Path, phases: list[Phase]) -> 
     control = runtime.service.policy
     assert isinstance(control, BanditControlPolicy)
 
-    def where(phase: Phase) -> Settled:
-        decision = control.policy.decide(Context(SERVED_MODEL, "code", phase.bucket))
-        estimates = repr(control.policy.estimates())
+    async def where(phase: Phase) -> Settled:
+        # In turn with the loop, which plans in its worker thread meanwhile.
+        decision, estimates = await runtime.service.loop.consult(
+            lambda: (
+                control.policy.decide(Context(SERVED_MODEL, "code", phase.bucket)),
+                repr(control.policy.estimates()),
+            )
+        )
         arms = [o.arm or "off" for o in served]
         timings = [
             f"{o.arm or 'off'} {1000 * (o.e2e_s or 0):.0f}/{1000 * (o.generation_time_s or 0):.0f}"
@@ -133,10 +138,13 @@ def run_loop(vllm_servers: VllmServers, tmp_path: Path, phases: list[Phase]) -> 
                 served.clear()
                 await run_streams(url, count=phase.streams, requests_each=phase.requests_each)
                 sent = phase.requests_each
-                while not where(phase).on(phase.expect) and sent < PATIENCE * phase.requests_each:
+                while (
+                    not (await where(phase)).on(phase.expect)
+                    and sent < PATIENCE * phase.requests_each
+                ):
                     await run_streams(url, count=phase.streams, requests_each=CHUNK, seed=sent)
                     sent += CHUNK
-                settled.append(where(phase))
+                settled.append(await where(phase))
                 # Captured, and shown by pytest only for a failed test: every request of
                 # the phase, which the assertion message cuts short.
                 print(f"{phase}: {settled[-1]}")
