@@ -23,7 +23,6 @@ from policies.reasons import Reason
 
 if TYPE_CHECKING:
     from policies.bandit.commitment import _Commitment
-    from policies.bandit.planning import _Plan
 
 
 class OffProbes:
@@ -44,20 +43,24 @@ class OffProbes:
         return max(config.push_probe_every_s, priced)
 
     def due(
-        self, context: Context, commitment: _Commitment, plan: _Plan | None, now: float
+        self,
+        context: Context,
+        commitment: _Commitment,
+        predictions: Mapping[Arm, Prediction],
+        now: float,
     ) -> tuple[Arm, Prediction | None] | None:
-        """The probe ``context`` should start now, with what the plan predicts for it,
-        or None. A context that is not on off forgets its schedule; one that just went
-        off waits ``push_probe_every_s`` first. A probe's cost is what the plan
-        predicts it takes from the context's own goodput while it runs (1 − its
-        predicted speed-up); one costing more than ``push_probe_max_cost`` never runs."""
+        """The probe ``context`` should start now, with what its bucket's plan predicts
+        for it (``predictions``; none yet: no probe), or None. A context that is not on
+        off forgets its schedule; one that just went off waits ``push_probe_every_s``
+        first. A probe's cost is what the plan predicts it takes from the context's own
+        goodput while it runs (1 − its predicted speed-up); one costing more than
+        ``push_probe_max_cost`` never runs."""
         if not commitment.arm.is_off or commitment.reason == Reason.OVERRIDE:
             self.next_at.pop(context, None)
             return None
         first = self.next_at.setdefault(context, now + self.config.push_probe_every_s)
-        if now < first or plan is None or plan.worlds is None:
+        if now < first or not predictions:
             return None
-        predictions = plan.predictions.get(context.workload_class, {})
         candidates = [
             (arm, predicted)
             for arm in (Arm(p, min(gammas)) for p, gammas in sorted(self.gammas.items()))

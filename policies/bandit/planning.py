@@ -4,7 +4,7 @@ jointly, turn off what does not surely pay, and move the commitments."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +51,23 @@ class _Plan:
     probe_costs: dict[tuple[str, str], float] = field(default_factory=dict)
     """Per class × proposer it does not serve with: what a probe costs in ``batch``
     (``Exploration.probe_cost``). Not saved, like ``worlds``."""
+    basis: _Basis | None = None
+    """What the plan's predictions are made from (see :meth:`Planner.predictions`).
+    Not saved, like ``worlds``."""
     predictions: dict[str, dict[Arm, Prediction]] = field(default_factory=dict)
-    """Per class: what each arm would do for it, the others as served (see
-    :meth:`Planner.predict`). Not saved, like ``worlds``."""
+    """Per class, once asked: what each arm would do for it, the others as served."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Basis:
+    """A plan's posterior draws and assignment, from which an arm's prediction for a
+    class is made on demand: a bucket is re-planned far more often than anyone asks."""
+
+    concurrency: float
+    shares: Mapping[str, float]
+    drawn_e: Mapping[tuple[str, Arm], FloatArray]
+    served: Mapping[str, Arm]
+    worlds: CostDraws
 
 
 class Planner:
@@ -219,11 +233,11 @@ class Planner:
         served = {c: self.commitments.commitments[Context(model, c, bucket)].arm for c in classes}
         plan.batch = steady_batch(concurrency, shares, mean_tokens, served, mean_cost, topology)
         self.exploration.price_probes(model, plan, served)
-        plan.predictions = self.predict(concurrency, shares, drawn_e, served, worlds)
+        plan.basis = _Basis(concurrency, shares, drawn_e, served, worlds)
         for cls, arm in served.items():
             commitment = self.commitments.commitments[Context(model, cls, bucket)]
-            commitment.speedup = plan.predictions[cls][arm].speedup
-            commitment.interval = plan.predictions[cls][arm].interval
+            predicted = self.predict(plan.basis, cls, [arm])[arm]
+            commitment.speedup, commitment.interval = predicted.speedup, predicted.interval
         self.exploration.start_trial(
             model,
             bucket,
@@ -237,36 +251,37 @@ class Planner:
             self.guard,
         )
 
-    def predict(
-        self,
-        concurrency: float,
-        shares: Mapping[str, float],
-        drawn_e: Mapping[tuple[str, Arm], FloatArray],
-        served: Mapping[str, Arm],
-        worlds: CostDraws,
-    ) -> dict[str, dict[Arm, Prediction]]:
-        """Per class, what each arm would do for it while the other classes run what
+    def predictions(self, plan: _Plan, cls: str) -> dict[Arm, Prediction]:
+        """What each arm would do for ``cls`` by ``plan`` (made once, when first asked);
+        empty for a plan that priced nothing (no cost model yet, or restored)."""
+        if cls not in plan.predictions:
+            if plan.basis is None or cls not in plan.basis.served:
+                return {}
+            plan.predictions[cls] = self.predict(plan.basis, cls, self.arms)
+        return plan.predictions[cls]
+
+    def predict(self, basis: _Basis, cls: str, arms: Sequence[Arm]) -> dict[Arm, Prediction]:
+        """What each of ``arms`` would do for ``cls`` while the other classes run what
         they are served: the class's tokens per second on that arm over its tokens per
         second off, per posterior draw (so off is exactly 1, and an arm that slows the
         batch more than its accepted tokens gain is below 1)."""
         topology = self.config.topology
-        out: dict[str, dict[Arm, Prediction]] = {}
-        for cls in sorted(served):
-            _, off_step = steady_state_draws(
-                concurrency, shares, drawn_e, {**served, cls: OFF}, worlds, topology
+        shares, drawn_e, served = basis.shares, basis.drawn_e, basis.served
+        _, off_step = steady_state_draws(
+            basis.concurrency, shares, drawn_e, {**served, cls: OFF}, basis.worlds, topology
+        )
+        out: dict[Arm, Prediction] = {}
+        for arm in arms:
+            if arm.proposer is None:
+                out[arm] = Prediction(1.0, (1.0, 1.0))
+                continue
+            _, step = steady_state_draws(
+                basis.concurrency, shares, drawn_e, {**served, cls: arm}, basis.worlds, topology
             )
-            arms: dict[Arm, Prediction] = {OFF: Prediction(1.0, (1.0, 1.0))}
-            for arm in self.arms:
-                if arm.proposer is None:
-                    continue
-                _, step = steady_state_draws(
-                    concurrency, shares, drawn_e, {**served, cls: arm}, worlds, topology
-                )
-                values = drawn_e[(cls, arm)] * off_step[cls] / step[cls]
-                arms[arm] = Prediction(
-                    float(np.mean(values)), (_quantile(values, 0.1), _quantile(values, 0.9))
-                )
-            out[cls] = arms
+            values = drawn_e[(cls, arm)] * off_step[cls] / step[cls]
+            out[arm] = Prediction(
+                float(np.mean(values)), (_quantile(values, 0.1), _quantile(values, 0.9))
+            )
         return out
 
     def guard(

@@ -178,7 +178,8 @@ class SpecPilotPolicy:
             return Decision(context, OFF, "learning")
         if self.config.moves_need_evidence:
             plan = self.planner.plans.get((context.model, context.bucket))
-            probe = self.off_probes.due(context, commitment, plan, self.clock())
+            predictions = self.planner.predictions(plan, context.workload_class) if plan else {}
+            probe = self.off_probes.due(context, commitment, predictions, self.clock())
             if probe is not None:
                 self.commitment.probe(context, *probe, self.clock())
                 self._publish(context.model, context.bucket)
@@ -194,7 +195,7 @@ class SpecPilotPolicy:
         plan = self.planner.plans.get((context.model, context.bucket))
         if plan is None:
             return {}
-        return dict(plan.predictions.get(context.workload_class, {}))
+        return dict(self.planner.predictions(plan, context.workload_class))
 
     def observe(self, observation: RequestObservation) -> None:
         """Learn from one finished request (acceptance, cost, mix, drift), then re-plan
