@@ -14,7 +14,7 @@
 - ``SpeculationLosing`` (critical): a context's running arm speculates and the policy is
   sure it loses against no speculation: the top of its predicted speed-up's 10–90 %
   interval stayed below 1 for ``LOSING_TICKS`` iterations; it resolves when the
-  predicted speed-up (the mean) is back at 1 or more, the policy has no prediction for
+  predicted speed-up (the median) is back at 1 or more, the policy has no prediction for
   it, or the context stops speculating.
 
 Firing alerts are keyed by name and ``context``, written as the labels that route them

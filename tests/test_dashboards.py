@@ -282,6 +282,14 @@ EMPTY_WHEN: dict[str, tuple[str, Callable[[Run], bool]]] = {
             and run.settings.alerting.webhook_url is None
         ),
     ),
+    "Failovers (gateway)/A": (
+        "one pool: there is no other pool to fail over to",
+        lambda run: len(run.settings.fleet.pools) < 2,
+    ),
+    "Failovers (gateway)/B": (
+        "push mode: failovers per context are counted in routing mode",
+        lambda run: run.settings.actuators.mode != "routing",
+    ),
     "Explored share per context (routing mode)/A": (
         "push mode: only the routing mode's gateway explores",
         lambda run: run.settings.actuators.mode != "routing",

@@ -180,7 +180,7 @@ class BanditConfig:
 class Prediction:
     """What one arm would do for a class in a bucket: its per-token speed-up over the
     class running without speculation (off is 1 by definition), at the bucket's
-    concurrency with the other classes as served; the posterior mean and its 10–90 %
+    concurrency with the other classes as served; the posterior median and its 10–90 %
     range over the plan's draws of acceptance and step cost."""
 
     speedup: float

@@ -264,7 +264,8 @@ class Planner:
         """What each of ``arms`` would do for ``cls`` while the other classes run what
         they are served: the class's tokens per second on that arm over its tokens per
         second off, per posterior draw (so off is exactly 1, and an arm that slows the
-        batch more than its accepted tokens gain is below 1)."""
+        batch more than its accepted tokens gain is below 1): the draws' median, which
+        lies within their 10–90 % range as a skewed posterior's mean may not."""
         topology = self.config.topology
         shares, drawn_e, served = basis.shares, basis.drawn_e, basis.served
         _, off_step = steady_state_draws(
@@ -280,7 +281,7 @@ class Planner:
             )
             values = drawn_e[(cls, arm)] * off_step[cls] / step[cls]
             out[arm] = Prediction(
-                float(np.mean(values)), (_quantile(values, 0.1), _quantile(values, 0.9))
+                float(np.median(values)), (_quantile(values, 0.1), _quantile(values, 0.9))
             )
         return out
 
